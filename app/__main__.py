@@ -1,0 +1,234 @@
+"""The CLI: `python -m app <command>` (also `argus <command>`), CONTRACT.md §3.
+
+Each command parses its flags, builds the typed configuration (exit 2 with one line when it is
+bad) and calls one function of its stage module. A failed run exits 1 with its cause.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+
+from app.config import (AMP_MODES, MODELS, ConfigError, IngestConfig, ProduceConfig, ServeConfig, TrainConfig,
+                        build_settings, check_reachable, from_namespace)
+
+log = logging.getLogger("argus")
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("shared options (each also read from the environment)")
+    group.add_argument("--bootstrap-servers", help="Kafka host:port[,...] (KAFKA_BOOTSTRAP_SERVERS); "
+                                                   "unset: the embedded broker")
+    group.add_argument("--topic", help="topic of behaviour images (ARGUS_TOPIC; default user_behavior_images)")
+    group.add_argument("--storage", help="local path or s3:// / hdfs:// URI (ARGUS_STORAGE; default ./argus-data)")
+    group.add_argument("--mlflow-uri", help="MLflow tracking URI (MLFLOW_TRACKING_URI; default SQLite in storage)")
+    group.add_argument("--ray-address", help="Ray cluster address (RAY_ADDRESS; unset: local Ray)")
+    group.add_argument("--image-size", type=int, help="square image side the model sees (default 224)")
+    group.add_argument("--model", help=f"one of {', '.join(MODELS)} (default resnet50)")
+    group.add_argument("--classes", help="comma-separated class names (default: discovered from the data)")
+    group.add_argument("--partitions", type=int, help="partitions of topics Argus creates (default 4)")
+    group.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _add_produce(parser) -> None:
+    parser.add_argument("--synthetic", type=int, metavar="N", help="publish N synthetic behaviour images")
+    parser.add_argument("--from-dir", metavar="DIR", help="publish DIR/<label>/<image files>")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--users", type=int, help="synthetic users (default 50)")
+    parser.add_argument("--source-image-size", type=int, help="side of synthetic images (default 64)")
+    parser.add_argument("--late-fraction", type=float, help="share of records arriving late (default 0.05)")
+    parser.add_argument("--corrupt-fraction", type=float, help="share of corrupt values (default 0.02)")
+    parser.add_argument("--linger-ms", type=int, help="producer batching delay (default 20)")
+
+
+def _add_ingest(parser) -> None:
+    parser.add_argument("--group", help="consumer group (default argus-ingest)")
+    parser.add_argument("--max-record-bytes", type=int, help="larger values go to the DLQ (default 10 MiB)")
+    parser.add_argument("--allowed-lateness-s", type=float, help="lateness flagged beyond this (default 3600)")
+    parser.add_argument("--features", choices=["resnet50"], help="add a 2048-d ResNet-50 feature column")
+    parser.add_argument("--weights", help="local path of backbone weights (default: random, with a warning)")
+    parser.add_argument("--use-gpu", action="store_true", default=None, help="preprocess on GPU actors")
+    parser.add_argument("--concurrency", type=int, help="preprocessing actors (default 1)")
+
+
+def _add_train(parser) -> None:
+    parser.add_argument("--epochs", type=int)
+    parser.add_argument("--batch-size", type=int, help="per-worker micro-batch (default 32)")
+    parser.add_argument("--num-workers", type=int, help="training workers (default 2)")
+    parser.add_argument("--use-gpu", action="store_true", default=None)
+    parser.add_argument("--cpus-per-worker", type=float, help="logical CPUs per worker (default 0.5)")
+    parser.add_argument("--amp", choices=AMP_MODES, help="mixed precision (auto: on with a GPU, off on CPU)")
+    parser.add_argument("--grad-accum", type=int, help="micro-batches per optimiser step (default 1)")
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--snapshots", help="comma-separated snapshot ids (default: all)")
+    parser.add_argument("--val-fraction", type=float, help="newest share by event time held out (default 0.2)")
+    parser.add_argument("--balance", choices=["weights", "sampler", "none"], help="uneven classes (default weights)")
+    parser.add_argument("--no-augment", dest="augment", action="store_false", default=None)
+    parser.add_argument("--run-name", help="rerunning with the same name resumes it")
+    parser.add_argument("--max-failures", type=int, help="worker failures to recover from (default 2)")
+    parser.add_argument("--fail-at-epoch", type=int, help=argparse.SUPPRESS)
+
+
+def _add_serve(parser) -> None:
+    parser.add_argument("--http-host", help="default 127.0.0.1")
+    parser.add_argument("--http-port", type=int, help="default 8000")
+    parser.add_argument("--replicas", type=int, help="default 1")
+    parser.add_argument("--alias", help="registry alias to serve (default champion)")
+    parser.add_argument("--max-batch-size", type=int)
+    parser.add_argument("--batch-wait-timeout-s", type=float)
+    parser.add_argument("--max-body-bytes", type=int)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One clear line and exit 2, as CONTRACT.md §3 promises (argparse's default adds usage).
+        self.exit(2, f"argus: error: {message} (see `argus {self.prog.split()[-1]} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="argus", description="Argus: train vision models on behaviour "
+                                     "images from Kafka, with Ray.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="<command>", parser_class=_Parser)
+
+    def command(name, help_text, *adders):
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        for add in adders:
+            add(sub)
+        _add_common(sub)
+        return sub
+
+    demo = command("demo", "the whole job on embedded defaults: broker, produce, ingest, train, register, serve, "
+                           "a sample prediction")
+    demo.add_argument("--records", type=int, default=1200, help="synthetic records to publish (default 1200)")
+    demo.add_argument("--epochs", type=int, default=3)
+    demo.add_argument("--http-port", type=int, default=8000)
+    broker = command("broker", "run the embedded Kafka-compatible broker in the foreground")
+    broker.add_argument("--port", type=int, default=9092)
+    command("produce", "publish records: --synthetic N or --from-dir DIR", _add_produce)
+    command("ingest", "Kafka → Ray Data preprocessing → a new snapshot (offsets committed after it is durable)",
+            _add_ingest)
+    command("train", "Ray Train on snapshots → checkpoints → a new registered model version", _add_train)
+    command("federate", "federated rounds with clients as Ray actors → a new registered version (issue #5)")
+    serve_parser = command("serve", "deploy the Ray Serve application on the model alias", _add_serve)
+    serve_parser.add_argument("--detach", action="store_true", default=None,
+                              help="deploy onto the running cluster (--ray-address) and return")
+    promote = command("promote", "point the alias at VERSION; running replicas switch with no failed request")
+    promote.add_argument("version")
+    promote.add_argument("--alias", default="champion")
+    promote.add_argument("--wait-url", help="wait until this endpoint's /healthz reports VERSION")
+    command("watch", "keep ingesting in micro-batches; alert when end-to-end lag exceeds --lag-alert-s (issue #7)")
+    command("drift", "compare served traffic with the training snapshot; --retrain submits a job (issue #7)")
+    return parser
+
+
+def _configure_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("kafka", "urllib3", "alembic", "mlflow.store", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def run(args: argparse.Namespace) -> int:
+    from app import broker as embedded
+
+    settings = build_settings(args)
+    if settings.bootstrap_servers and args.command in ("produce", "ingest", "watch", "demo"):
+        check_reachable(settings.bootstrap_servers)
+
+    if args.command == "broker":
+        settings.local_storage_path.mkdir(parents=True, exist_ok=True)
+        return embedded.run_foreground(settings.local_storage_path, args.port)
+    if args.command == "produce":
+        from app.data import produce
+
+        cfg = from_namespace(ProduceConfig, args)
+        with embedded.kafka_endpoint(settings) as bootstrap:
+            print(produce(settings, cfg, bootstrap))
+        return 0
+    if args.command == "ingest":
+        from app.cluster import ray_session
+        from app.data import ingest
+
+        cfg = from_namespace(IngestConfig, args)
+        with embedded.kafka_endpoint(settings) as bootstrap, ray_session(settings):
+            print(ingest(settings, cfg, bootstrap))
+        return 0
+    if args.command == "train":
+        from app.cluster import ray_session
+        from app.train import train
+
+        snapshots = tuple(s for s in (args.snapshots or "").split(",") if s) or None
+        cfg = from_namespace(TrainConfig, args, snapshots=snapshots)
+        with ray_session(settings):
+            report = train(settings, cfg)
+        print(f"registered {settings.model_name} v{report.version} (run {report.run_id}): "
+              f"val_accuracy {report.metrics['val_accuracy']:.3f} after {report.epochs} epochs")
+        return 0
+    if args.command == "serve":
+        return _serve(settings, from_namespace(ServeConfig, args))
+    if args.command == "promote":
+        from app import registry
+        from app.serve import wait_for_version
+
+        registry.promote(settings.tracking_uri, settings.model_name, args.version, args.alias)
+        print(f"{settings.model_name}@{args.alias} → v{args.version}")
+        if args.wait_url:
+            wait_for_version(args.wait_url.rstrip("/"), args.version)
+            print(f"{args.wait_url} serves v{args.version}")
+        return 0
+    if args.command == "demo":
+        from app.demo import run_demo
+
+        return run_demo(settings, args)
+    print(f"argus {args.command}: this stage is not built yet (see the open issues); nothing was done",
+          file=sys.stderr)
+    return 1
+
+
+def _serve(settings, cfg: ServeConfig) -> int:
+    from app.cluster import ray_session
+    from app.serve import deploy
+
+    if cfg.detach:
+        if not settings.ray_address:
+            raise ConfigError("--detach needs a running cluster: pass --ray-address (or set RAY_ADDRESS)")
+        with ray_session(settings):
+            print(f"deployed on {deploy(settings, cfg, blocking=False)}")
+        return 0
+    stop = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda s, _f: stop.append(s))
+    with ray_session(settings):
+        from ray import serve
+
+        url = deploy(settings, cfg, blocking=False)
+        print(f"serving on {url} (POST /predict, GET /healthz, GET /model, /docs); Ctrl-C stops", flush=True)
+        while not stop:
+            time.sleep(0.2)
+        serve.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _configure_logging(getattr(args, "verbose", False))
+    try:
+        return run(args)
+    except ConfigError as exc:
+        print(f"argus: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("argus: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a failed run: exit 1 with the cause, the traceback in the log
+        log.debug("failure", exc_info=True)
+        print(f"argus: {args.command} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Argus's one typed configuration: defaults in code, overridden by environment variables and
+then CLI flags (CONTRACT.md §3), validated once here so a bad value stops the command with one
+clear line (exit 2) before any Ray or Kafka work starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+MODELS = ("resnet50", "resnet18", "cnn")
+AMP_MODES = ("auto", "off", "bf16", "fp16")
+DEFAULT_TOPIC = "user_behavior_images"
+DEFAULT_MODEL_NAME = "argus-behavior"
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class ConfigError(ValueError):
+    """A bad argument or setting: the CLI prints it as one line and exits 2."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(kw_only=True)
+class Settings:
+    """Options every command shares (CONTRACT.md §3)."""
+
+    bootstrap_servers: str | None = None
+    """Kafka bootstrap servers, `host:port[,host:port]`; None uses the embedded broker."""
+    topic: str = DEFAULT_TOPIC
+    """Topic of behaviour-image records; dead letters go to `<topic>.dlq`."""
+    storage: str = "./argus-data"
+    """Local path or pyarrow filesystem URI (s3://, hdfs://) for snapshots and checkpoints."""
+    mlflow_uri: str | None = None
+    """MLflow tracking URI; None means a SQLite file under a local storage dir."""
+    ray_address: str | None = None
+    """Ray cluster address; None starts (or joins, under `ray job submit`) a local Ray."""
+    image_size: int = 224
+    """Side of the square images the models see."""
+    model: str = "resnet50"
+    """Architecture: resnet50, resnet18 or cnn (a small CNN for CPU runs)."""
+    classes: tuple[str, ...] | None = None
+    """Fixed class list; None means the sorted distinct labels of the training data."""
+    partitions: int = 4
+    """Partitions for topics Argus creates."""
+    model_name: str = DEFAULT_MODEL_NAME
+    """Registered model name in MLflow."""
+
+    def __post_init__(self) -> None:
+        _require(self.model in MODELS, f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
+        _require(8 <= self.image_size <= 1024, f"--image-size must be in 8..1024, got {self.image_size}")
+        _require(self.partitions >= 1, f"--partitions must be >= 1, got {self.partitions}")
+        _require(bool(self.topic.strip()), "--topic must not be empty")
+        if self.classes is not None:
+            _require(len(self.classes) >= 2, "--classes needs at least two class names")
+            _require(len(set(self.classes)) == len(self.classes), "--classes has duplicates")
+        if self.bootstrap_servers is not None:
+            for server in self.bootstrap_servers.split(","):
+                _parse_host_port(server)
+
+    @property
+    def dlq_topic(self) -> str:
+        return f"{self.topic}.dlq"
+
+    @property
+    def is_local_storage(self) -> bool:
+        return "://" not in self.storage or self.storage.startswith("file://")
+
+    @property
+    def local_storage_path(self) -> Path:
+        return Path(self.storage.removeprefix("file://")).resolve()
+
+    @property
+    def tracking_uri(self) -> str:
+        if self.mlflow_uri:
+            return self.mlflow_uri
+        _require(self.is_local_storage, "--mlflow-uri is required when --storage is not a local path")
+        return f"sqlite:///{self.local_storage_path / 'mlflow.db'}"
+
+    def uri(self, *parts: str) -> str:
+        """A path under the storage root, as a URI pyarrow understands."""
+        root = str(self.local_storage_path) if self.is_local_storage else self.storage.rstrip("/")
+        return "/".join([root, *parts])
+
+
+def _parse_host_port(server: str) -> tuple[str, int]:
+    host, sep, port = server.strip().rpartition(":")
+    _require(bool(sep and host and port.isdigit() and 0 < int(port) < 65536),
+             f"bad bootstrap server {server!r}: expected host:port")
+    return host, int(port)
+
+
+def check_reachable(bootstrap_servers: str, timeout_s: float = 3.0) -> None:
+    """Fail at the edge (exit 2) when no bootstrap server accepts a TCP connection."""
+    errors = []
+    for server in bootstrap_servers.split(","):
+        host, port = _parse_host_port(server)
+        try:
+            with socket.create_connection((host, port), timeout=timeout_s):
+                return
+        except OSError as exc:
+            errors.append(f"{server}: {exc.strerror or exc}")
+    raise ConfigError(f"Kafka bootstrap servers unreachable ({'; '.join(errors)})")
+
+
+@dataclass(kw_only=True)
+class ProduceConfig:
+    synthetic: int | None = None
+    """Publish this many synthetic behaviour images."""
+    from_dir: str | None = None
+    """Publish real images laid out as DIR/<label>/<file>."""
+    seed: int = 0
+    users: int = 50
+    source_image_size: int = 64
+    """Side of the synthetic images as the 'device' captures them."""
+    late_fraction: float = 0.05
+    corrupt_fraction: float = 0.02
+    linger_ms: int = 20
+    batch_bytes: int = 256 * 1024
+
+    def __post_init__(self) -> None:
+        _require((self.synthetic is None) != (self.from_dir is None),
+                 "produce needs exactly one of --synthetic N or --from-dir DIR")
+        if self.synthetic is not None:
+            _require(self.synthetic >= 1, f"--synthetic must be >= 1, got {self.synthetic}")
+        if self.from_dir is not None:
+            _require(Path(self.from_dir).is_dir(), f"--from-dir {self.from_dir!r} is not a directory")
+        _require(self.users >= 1, "--users must be >= 1")
+        _require(0 <= self.late_fraction <= 1, "--late-fraction must be in [0, 1]")
+        _require(0 <= self.corrupt_fraction <= 1, "--corrupt-fraction must be in [0, 1]")
+        _require(self.source_image_size >= 8, "--source-image-size must be >= 8")
+
+
+@dataclass(kw_only=True)
+class IngestConfig:
+    group: str = "argus-ingest"
+    """Consumer group whose committed offsets mirror the snapshots' ends."""
+    max_record_bytes: int = 10 * 1024 * 1024
+    """Larger record values go to the dead-letter topic."""
+    allowed_lateness_s: float = 3600.0
+    """Records whose event time is this far behind the snapshot's watermark are flagged late."""
+    features: str | None = None
+    """`resnet50` adds a 2048-d feature column from a ResNet-50 backbone."""
+    weights: str | None = None
+    """Local path of backbone weights; absent means random initialisation, with a warning."""
+    use_gpu: bool = False
+    """Run preprocessing actors on GPUs (resize/normalise and features there)."""
+    concurrency: int = 1
+    """Preprocessing actors in the pool."""
+    batch_size: int = 64
+    """Records per map_batches call."""
+    records_per_block: int = 512
+    """Records per block a Kafka read task yields: bounds memory, keeps the stream moving."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_record_bytes > 0, "--max-record-bytes must be > 0")
+        _require(self.allowed_lateness_s >= 0, "--allowed-lateness-s must be >= 0")
+        _require(self.features in (None, "resnet50"), f"--features must be resnet50, got {self.features!r}")
+        _require(self.concurrency >= 1, "--concurrency must be >= 1")
+        _require(self.batch_size >= 1, "--batch-size must be >= 1")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    epochs: int = 3
+    batch_size: int = 32
+    """Per-worker micro-batch size."""
+    num_workers: int = 2
+    use_gpu: bool = False
+    cpus_per_worker: float = 0.5
+    """Logical CPUs per worker: a fraction leaves room for Ray Data on small machines."""
+    amp: str = "auto"
+    grad_accum: int = 1
+    lr: float = 1e-3
+    seed: int = 0
+    snapshots: tuple[str, ...] | None = None
+    """Snapshot ids to train on; None means all."""
+    val_fraction: float = 0.2
+    """Latest share of records by event time held out for validation."""
+    balance: str = "weights"
+    """Uneven classes: `weights` (class-weighted loss), `sampler` (oversample) or `none`."""
+    augment: bool = True
+    run_name: str | None = None
+    """Rerunning with the same name resumes from its last checkpoint."""
+    max_failures: int = 2
+    fail_at_epoch: int | None = None
+    """Fault injection: rank 1 dies mid-way through this epoch on the first attempt."""
+
+    def __post_init__(self) -> None:
+        _require(self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}")
+        _require(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
+        _require(self.num_workers >= 1, f"--num-workers must be >= 1, got {self.num_workers}")
+        _require(self.cpus_per_worker > 0, "--cpus-per-worker must be > 0")
+        _require(self.amp in AMP_MODES, f"--amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
+        _require(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
+        _require(self.lr > 0, "--lr must be > 0")
+        _require(0 < self.val_fraction < 1, "--val-fraction must be in (0, 1)")
+        _require(self.balance in ("weights", "sampler", "none"), "--balance must be weights, sampler or none")
+        _require(self.max_failures >= 0, "--max-failures must be >= 0")
+
+
+@dataclass(kw_only=True)
+class ServeConfig:
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    replicas: int = 1
+    alias: str = "champion"
+    detach: bool = False
+    max_batch_size: int = 16
+    batch_wait_timeout_s: float = 0.01
+    max_body_bytes: int = 10 * 1024 * 1024
+    poll_s: float = 2.0
+    """How often replicas check the registry alias for a new version."""
+
+    def __post_init__(self) -> None:
+        _require(0 < self.http_port < 65536, f"--http-port must be in 1..65535, got {self.http_port}")
+        _require(self.replicas >= 1, f"--replicas must be >= 1, got {self.replicas}")
+        _require(self.max_batch_size >= 1, "--max-batch-size must be >= 1")
+        _require(self.batch_wait_timeout_s >= 0, "--batch-wait-timeout-s must be >= 0")
+        _require(self.max_body_bytes > 0, "--max-body-bytes must be > 0")
+
+
+def env_defaults() -> dict:
+    """Settings fields taken from the environment (CONTRACT.md §3); flags override them."""
+    mapping = {
+        "KAFKA_BOOTSTRAP_SERVERS": "bootstrap_servers",
+        "ARGUS_TOPIC": "topic",
+        "ARGUS_STORAGE": "storage",
+        "MLFLOW_TRACKING_URI": "mlflow_uri",
+        "RAY_ADDRESS": "ray_address",
+    }
+    return {name: os.environ[var] for var, name in mapping.items() if os.environ.get(var)}
+
+
+def from_namespace(cls, namespace, **overrides):
+    """Build dataclass `cls` from the argparse attributes that share its field names."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in vars(namespace).items() if k in names and v is not None}
+    values.update(overrides)
+    return cls(**values)
+
+
+def build_settings(namespace) -> Settings:
+    values = env_defaults()
+    values.update({k: v for k, v in vars(namespace).items()
+                   if k in {f.name for f in dataclasses.fields(Settings)} and v is not None})
+    if isinstance(values.get("classes"), str):
+        values["classes"] = tuple(c.strip() for c in values["classes"].split(",") if c.strip())
+    return Settings(**values)
+
+
+__all__ = [
+    "AMP_MODES", "ConfigError", "IMAGENET_MEAN", "IMAGENET_STD", "IngestConfig", "MODELS",
+    "ProduceConfig", "ServeConfig", "Settings", "TrainConfig", "build_settings", "check_reachable",
+    "env_defaults", "from_namespace",
+]

@@ -1,0 +1,133 @@
+"""The MLflow model registry: the single source of model versions, their lineage and the alias
+that decides what is served (CONTRACT.md §5). Weights travel as safetensors, never as pickles.
+
+    python -m app promote VERSION     # move the serving alias; replicas follow it
+"""
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from app.model import build_model, load_state_dict, save_state_dict
+
+log = logging.getLogger(__name__)
+
+EXPERIMENT = "argus"
+WEIGHTS_FILE = "weights.safetensors"
+META_FILE = "argus_model.json"
+
+
+def _mlflow(tracking_uri: str):
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri)
+    return mlflow
+
+
+def experiment_id(tracking_uri: str, artifact_root: str | None) -> str:
+    """The `argus` experiment, created with artifacts beside the storage (not in the cwd)."""
+    mlflow = _mlflow(tracking_uri)
+    experiment = mlflow.get_experiment_by_name(EXPERIMENT)
+    if experiment is not None:
+        return experiment.experiment_id
+    return mlflow.create_experiment(EXPERIMENT, artifact_location=artifact_root)
+
+
+def artifact_root(settings) -> str | None:
+    return Path(settings.uri("mlartifacts")).as_uri() if settings.is_local_storage else None
+
+
+@dataclass
+class ModelCard:
+    """What a registered version needs to be rebuilt and explained (GET /model)."""
+
+    arch: str
+    classes: list[str]
+    image_size: int
+    features: bool
+    training_kind: str
+    snapshots: list[dict]
+    """[{snapshot_id, offsets: {partition: {start, end}}}] the version was trained on."""
+    metrics: dict
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, indent=2, sort_keys=True)
+
+
+def register(tracking_uri: str, model_name: str, run_id: str, model: torch.nn.Module, card: ModelCard,
+             alias_if_first: str = "champion") -> str:
+    """Log weights and card as the run's `model` artifacts and register them as a new version.
+
+    The first version of a name also gets the serving alias, so a fresh system serves something.
+    """
+    mlflow = _mlflow(tracking_uri)
+    client = mlflow.MlflowClient()
+    with tempfile.TemporaryDirectory() as tmp:
+        save_state_dict(model, f"{tmp}/{WEIGHTS_FILE}")
+        Path(tmp, META_FILE).write_text(card.to_json())
+        client.log_artifacts(run_id, tmp, artifact_path="model")
+    source = f"{client.get_run(run_id).info.artifact_uri}/model"
+    if not client.search_registered_models(filter_string=f"name = '{model_name}'"):
+        client.create_registered_model(model_name, description="Argus behaviour-image classifier")
+    tags = {
+        "training_kind": card.training_kind,
+        "arch": card.arch,
+        "classes": json.dumps(card.classes),
+        "image_size": str(card.image_size),
+        "snapshot_ids": ",".join(s["snapshot_id"] for s in card.snapshots),
+        "kafka_offsets": json.dumps({s["snapshot_id"]: s["offsets"] for s in card.snapshots}, sort_keys=True),
+        **{f"metric.{k}": f"{v:.4f}" for k, v in card.metrics.items() if isinstance(v, (int, float))},
+    }
+    version = client.create_model_version(model_name, source, run_id=run_id, tags=tags).version
+    if alias_if_first and not _aliases(client, model_name):
+        client.set_registered_model_alias(model_name, alias_if_first, version)
+        log.info("%s v%s is the first version: alias %r points at it", model_name, version, alias_if_first)
+    return str(version)
+
+
+def _aliases(client, model_name: str) -> dict:
+    return dict(client.get_registered_model(model_name).aliases or {})
+
+
+def promote(tracking_uri: str, model_name: str, version: str, alias: str = "champion") -> None:
+    client = _mlflow(tracking_uri).MlflowClient()
+    client.get_model_version(model_name, version)  # raises for an unknown version
+    client.set_registered_model_alias(model_name, alias, version)
+
+
+def resolve(tracking_uri: str, model_name: str, alias: str) -> str | None:
+    """The version the alias points at, or None when it points nowhere yet."""
+    from mlflow.exceptions import MlflowException
+
+    client = _mlflow(tracking_uri).MlflowClient()
+    try:
+        return str(client.get_model_version_by_alias(model_name, alias).version)
+    except MlflowException:
+        return None
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    card: ModelCard
+    name: str
+    version: str
+    run_id: str
+
+
+def load(tracking_uri: str, model_name: str, version: str) -> LoadedModel:
+    """Rebuild a registered version from its card with the shared model factory, in eval mode."""
+    mlflow = _mlflow(tracking_uri)
+    model_version = mlflow.MlflowClient().get_model_version(model_name, version)
+    with tempfile.TemporaryDirectory() as tmp:
+        local = mlflow.artifacts.download_artifacts(artifact_uri=model_version.source, dst_path=tmp)
+        card = ModelCard(**json.loads(Path(local, META_FILE).read_text()))
+        state = load_state_dict(str(Path(local, WEIGHTS_FILE)))
+    model = build_model(card.arch, len(card.classes), features=card.features)
+    model.load_state_dict(state)
+    return LoadedModel(model.eval(), card, model_name, str(version), model_version.run_id)

@@ -1,0 +1,325 @@
+"""Distributed training: snapshots → Ray Train `TorchTrainer` (DDP, ring all-reduce) → registry.
+
+    python -m app train --model cnn --image-size 64 --epochs 3 --num-workers 2
+
+Data streams from Parquet through Ray Data into each worker's shard. The newest `--val-fraction`
+of records by event time is held out, so validation looks like tomorrow's traffic. Every epoch
+checkpoints model, optimiser, scaler, RNG state and lineage; a lost worker restarts the group from
+the last checkpoint; ranks compare parameter checksums and the run fails loudly if they differ.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from app import model as core
+from app.config import Settings, TrainConfig
+from app.data import encode_labels, list_manifests, snapshot_uri
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+# ---------------------------------------------------------------- what runs on each worker
+
+
+def augment(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Random resized crop, horizontal flip and brightness/contrast jitter, on normalised batches."""
+    import torchvision.transforms.v2.functional as F
+
+    n, _, h, w = images.shape
+    out = torch.empty_like(images)
+    scales = torch.empty(n).uniform_(0.6, 1.0, generator=generator)
+    for i in range(n):
+        ch, cw = max(1, int(h * scales[i].sqrt())), max(1, int(w * scales[i].sqrt()))
+        top = int(torch.randint(0, h - ch + 1, (1,), generator=generator))
+        left = int(torch.randint(0, w - cw + 1, (1,), generator=generator))
+        out[i] = F.resized_crop(images[i], top, left, ch, cw, [h, w], antialias=True)
+    flip = torch.rand(n, generator=generator) < 0.5
+    out[flip] = out[flip].flip(-1)
+    contrast = torch.empty(n, 1, 1, 1).uniform_(0.8, 1.2, generator=generator)
+    brightness = torch.empty(n, 1, 1, 1).uniform_(-0.2, 0.2, generator=generator)
+    return out * contrast.to(out.device) + brightness.to(out.device)
+
+
+def _batches(shard, cfg: dict, device: torch.device, generator: torch.Generator, training: bool):
+    column = "features" if cfg["features"] else "image"
+    for batch in shard.iter_torch_batches(batch_size=cfg["batch_size"], drop_last=False,
+                                          dtypes={column: torch.float32, "label_index": torch.int64}):
+        inputs, targets = batch[column], batch["label_index"]
+        if training and cfg["balance"] == "sampler":
+            # Streaming data has no global index, so balance within each batch by resampling.
+            weights = torch.as_tensor(cfg["class_weights"])[targets]
+            pick = torch.multinomial(weights, len(targets), replacement=True, generator=generator)
+            inputs, targets = inputs[pick], targets[pick]
+        if training and cfg["augment"] and not cfg["features"]:
+            inputs = augment(inputs, generator)
+        yield inputs, targets
+
+
+def _all_equal_checksums(model: nn.Module) -> str:
+    import torch.distributed as dist
+
+    checksum = core.parameter_checksum(model)
+    if dist.is_available() and dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, checksum)
+        if len(set(gathered)) != 1:
+            raise RuntimeError(f"parameter checksums differ across ranks: {gathered}")
+    return checksum
+
+
+def _reduce_confusion(confusion: list[list[int]], device: torch.device) -> torch.Tensor:
+    import torch.distributed as dist
+
+    tensor = torch.tensor(confusion, dtype=torch.int64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor.cpu()
+
+
+def _maybe_inject_fault(cfg: dict, epoch: int, step: int, steps_hint: int) -> None:
+    """Kill rank 1 half-way through epoch `fail_at_epoch`, once per run (a marker file remembers)."""
+    import ray.train
+
+    if cfg["fail_at_epoch"] != epoch or ray.train.get_context().get_world_rank() != 1:
+        return
+    marker = Path(cfg["fault_marker"])
+    if step >= max(1, steps_hint // 2) and not marker.exists():
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(str(time.time()))
+        log.error("fault injection: rank 1 exits mid-epoch %d", epoch)
+        os._exit(1)
+
+
+def train_loop_per_worker(cfg: dict) -> None:
+    import ray.train
+    import ray.train.torch
+
+    torch.manual_seed(cfg["seed"])
+    torch.set_num_threads(cfg["threads"])
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
+    device = ray.train.torch.get_device()
+    num_classes = len(cfg["classes"])
+
+    model = core.build_model(cfg["model"], num_classes, features=cfg["features"])
+    if device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    model = ray.train.torch.prepare_model(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg["lr"])
+    amp = core.amp_dtype(cfg["amp"], device)
+    scaler = torch.amp.GradScaler(device.type) if amp == torch.float16 else None
+    weights = torch.tensor(cfg["class_weights"], dtype=torch.float32, device=device)
+    loss_fn = nn.CrossEntropyLoss(weight=weights if cfg["balance"] == "weights" else None)
+
+    start_epoch, history = 0, []
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as directory:
+            state = torch.load(Path(directory, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
+        core.unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if scaler and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"][rank % len(state["rng"])])
+        start_epoch, history = state["epoch"] + 1, state["history"]
+        log.info("rank %d resumed from the checkpoint of epoch %d", rank, state["epoch"])
+
+    for epoch in range(start_epoch, cfg["epochs"]):
+        started = time.perf_counter()
+        generator = torch.Generator().manual_seed(cfg["seed"] * 1000 + epoch * 10 + rank)
+        train_batches = _batches(ray.train.get_dataset_shard("train"), cfg, device, generator, True)
+        if cfg["fail_at_epoch"] is not None:
+            train_batches = _with_fault(train_batches, cfg, epoch)
+        stats = core.train_epoch(model, train_batches, optimizer, loss_fn, device=device, amp=amp,
+                                 scaler=scaler, grad_accum=cfg["grad_accum"],
+                                 inputs_are_features=cfg["features"])
+        val = core.evaluate(model, _batches(ray.train.get_dataset_shard("val"), cfg, device, generator, False),
+                            num_classes, device=device, inputs_are_features=cfg["features"])
+        confusion = _reduce_confusion(val["confusion"], device)
+        support = confusion.sum(1)
+        recall = [(confusion[i, i] / support[i]).item() if support[i] else None for i in range(num_classes)]
+        checksum = _all_equal_checksums(model)
+        seconds = time.perf_counter() - started
+        metrics = {"epoch": epoch, "train_loss": stats["loss"], "train_accuracy": stats["accuracy"],
+                   "val_accuracy": (confusion.diag().sum() / max(int(support.sum()), 1)).item(),
+                   "val_examples": int(support.sum()), "epoch_seconds": seconds,
+                   "images_per_second": stats["examples"] * context.get_world_size() / seconds,
+                   "checksum": checksum, "per_class_recall": recall}
+        history.append({k: v for k, v in metrics.items() if k != "per_class_recall"})
+        with tempfile.TemporaryDirectory() as directory:
+            report_checkpoint = None
+            if rank == 0:
+                torch.save({"model": core.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                            "scaler": scaler.state_dict() if scaler else None, "epoch": epoch,
+                            "rng": [torch.get_rng_state()], "history": history,
+                            "snapshots": cfg["snapshot_ids"], "classes": cfg["classes"]},
+                           Path(directory, CHECKPOINT_FILE))
+                report_checkpoint = ray.train.Checkpoint.from_directory(directory)
+            ray.train.report(metrics, checkpoint=report_checkpoint)
+
+
+def _with_fault(batches, cfg: dict, epoch: int):
+    steps_hint = cfg["steps_per_epoch_hint"]
+    for step, batch in enumerate(batches):
+        _maybe_inject_fault(cfg, epoch, step, steps_hint)
+        yield batch
+
+
+# ---------------------------------------------------------------- the driver
+
+
+@dataclass
+class TrainReport:
+    version: str
+    run_id: str
+    metrics: dict
+    epochs: int
+    classes: list[str]
+    checksum: str
+
+
+def select_snapshots(settings: Settings, wanted: tuple[str, ...] | None) -> list[dict]:
+    manifests = [m for m in list_manifests(settings) if m["topic"] == settings.topic and m["records"] > 0]
+    if wanted:
+        by_id = {m["snapshot_id"]: m for m in manifests}
+        missing = [s for s in wanted if s not in by_id]
+        if missing:
+            raise ValueError(f"unknown snapshots {missing}; available: {sorted(by_id)}")
+        manifests = [by_id[s] for s in wanted]
+    if not manifests:
+        raise ValueError(f"no snapshots with records under {settings.uri('snapshots')}: run `ingest` first")
+    sizes = {m["image_size"] for m in manifests}
+    if sizes != {settings.image_size}:
+        raise ValueError(f"snapshots have image sizes {sorted(sizes)} but --image-size is {settings.image_size}")
+    return manifests
+
+
+def build_datasets(settings: Settings, manifests: list[dict], classes: list[str], val_fraction: float,
+                   features: bool):
+    """Train and validation datasets, split at the event-time quantile (newest slice validates)."""
+    import ray.data
+
+    ray.data.DataContext.get_current().execution_options.preserve_order = True  # reproducible shards
+    paths = [snapshot_uri(settings, m["snapshot_id"]) for m in manifests]
+    column = "features" if features else "image"
+    read_args = {"file_extensions": ["parquet"], "ray_remote_args": {"num_cpus": 0.25}}
+    times = ray.data.read_parquet(paths, columns=["event_time", "label"], **read_args).to_pandas()
+    times = times[times["label"].isin(classes)]["event_time"].to_numpy()
+    cutoff = int(np.quantile(times, 1 - val_fraction))
+    dataset = ray.data.read_parquet(paths, columns=[column, "label", "event_time"], **read_args)
+
+    def encode(batch):
+        keep = np.isin(batch["label"], classes)
+        return {column: batch[column][keep], "label_index": encode_labels(batch["label"][keep], classes),
+                "event_time": batch["event_time"][keep]}
+
+    labelled = dataset.map_batches(encode, batch_format="numpy", num_cpus=0.25)
+    train = labelled.filter(lambda row: row["event_time"] < cutoff, num_cpus=0.25).select_columns([column, "label_index"])
+    val = labelled.filter(lambda row: row["event_time"] >= cutoff, num_cpus=0.25).select_columns([column, "label_index"])
+    return train, val, cutoff, int((times < cutoff).sum()), int((times >= cutoff).sum())
+
+
+def class_weights(manifests: list[dict], classes: list[str]) -> list[float]:
+    """Inverse-frequency weights, mean 1: rare classes count as much as common ones in the loss."""
+    counts = np.array([sum(m["label_counts"].get(c, 0) for m in manifests) for c in classes], dtype=np.float64)
+    weights = np.where(counts > 0, counts.sum() / np.maximum(counts, 1) / len(classes), 0.0)
+    return (weights / weights[weights > 0].mean()).tolist()
+
+
+def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
+    """`python -m app train`: fit on snapshots, log to MLflow, register the best epoch's model."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from app import registry
+
+    manifests = select_snapshots(settings, cfg.snapshots)
+    classes = list(settings.classes) if settings.classes else sorted({c for m in manifests for c in m["label_counts"]})
+    if len(classes) < 2:
+        raise ValueError(f"training needs at least two classes; the snapshots have {classes}")
+    features = all(m.get("features") for m in manifests)
+    train_ds, val_ds, cutoff, n_train, n_val = build_datasets(settings, manifests, classes, cfg.val_fraction, features)
+    if n_val == 0 or n_train == 0:
+        raise ValueError(f"the event-time split left {n_train} train and {n_val} validation records")
+    log.info("training on %d records, validating on the newest %d (event time >= %d)", n_train, n_val, cutoff)
+
+    run_name = cfg.run_name or time.strftime("train-%Y%m%d-%H%M%S")
+    storage_path = settings.uri("checkpoints", "train")
+    os.makedirs(storage_path, exist_ok=True) if settings.is_local_storage else None
+    lineage = [{"snapshot_id": m["snapshot_id"],
+                "offsets": {p: {"start": o["start"], "end": o["end"]} for p, o in m["offsets"].items()}}
+               for m in manifests]
+    loop_config = {
+        "model": settings.model, "features": features, "classes": classes, "epochs": cfg.epochs,
+        "batch_size": cfg.batch_size, "lr": cfg.lr, "seed": cfg.seed, "amp": cfg.amp,
+        "grad_accum": cfg.grad_accum, "balance": cfg.balance, "augment": cfg.augment,
+        "class_weights": class_weights(manifests, classes), "snapshot_ids": [m["snapshot_id"] for m in manifests],
+        "threads": max(1, int(cfg.cpus_per_worker)) if not cfg.use_gpu else 4,
+        "fail_at_epoch": cfg.fail_at_epoch, "fault_marker": f"{storage_path}/{run_name}/.fault-fired",
+        "steps_per_epoch_hint": max(1, n_train // (cfg.batch_size * cfg.num_workers)),
+    }
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=loop_config,
+        scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
+                                               resources_per_worker={"CPU": cfg.cpus_per_worker}),
+        run_config=ray.train.RunConfig(
+            name=run_name, storage_path=storage_path,
+            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="val_accuracy",
+                                                         checkpoint_score_order="max")),
+        datasets={"train": train_ds, "val": val_ds},
+    )
+    result = trainer.fit()
+    if result.error:
+        raise RuntimeError(f"training failed: {result.error}")
+    best_checkpoint, best_metrics = max(result.best_checkpoints, key=lambda cm: cm[1]["val_accuracy"])
+    with best_checkpoint.as_directory() as directory:
+        state = torch.load(Path(directory, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
+    net = core.build_model(settings.model, len(classes), features=features)
+    net.load_state_dict(state["model"])
+
+    card = registry.ModelCard(arch=settings.model, classes=classes, image_size=settings.image_size,
+                              features=features, training_kind="ddp", snapshots=lineage,
+                              metrics={"val_accuracy": best_metrics["val_accuracy"],
+                                       "train_loss": best_metrics["train_loss"], "epoch": best_metrics["epoch"]})
+    run_id = _log_run(settings, cfg, run_name, state["history"], best_metrics, classes, loop_config)
+    version = registry.register(settings.tracking_uri, settings.model_name, run_id, net, card)
+    return TrainReport(version, run_id, best_metrics, len(state["history"]), classes, state["history"][-1]["checksum"])
+
+
+def _log_run(settings: Settings, cfg: TrainConfig, run_name: str, history: list[dict], best: dict,
+             classes: list[str], loop_config: dict) -> str:
+    """Params, per-epoch metrics, per-class recall and the loss/accuracy curves as a PNG."""
+    from app import registry
+    from app.plots import save_curves
+
+    mlflow = registry._mlflow(settings.tracking_uri)
+    experiment = registry.experiment_id(settings.tracking_uri, registry.artifact_root(settings))
+    with mlflow.start_run(experiment_id=experiment, run_name=run_name) as run:
+        mlflow.log_params({**{k: v for k, v in asdict(cfg).items() if k != "snapshots"},
+                           "model": settings.model, "image_size": settings.image_size,
+                           "classes": ",".join(classes), "snapshots": ",".join(loop_config["snapshot_ids"])})
+        for row in history:
+            mlflow.log_metrics({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "epoch"},
+                               step=row["epoch"])
+        for name, recall in zip(classes, best["per_class_recall"]):
+            if recall is not None:
+                mlflow.log_metric(f"val_recall.{name}", recall)
+        with tempfile.TemporaryDirectory() as directory:
+            save_curves(history, f"{directory}/curves.png", title=f"{run_name} ({settings.model})")
+            Path(directory, "history.json").write_text(json.dumps(history, indent=2))
+            mlflow.log_artifacts(directory)
+        return run.info.run_id

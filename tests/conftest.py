@@ -1,0 +1,56 @@
+"""Shared fixtures: one real embedded broker and one real local Ray for the session; each test
+gets its own topic and storage dir, so tests never see each other's records."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from app.broker import EmbeddedBroker
+from app.config import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST_IMAGE_SIZE = 32
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory):
+    with EmbeddedBroker.create(tmp_path_factory.mktemp("broker")) as running:
+        yield running.bootstrap_servers
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray sized like CI's machine; Ray Train's helpers and Serve share it."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def settings(tmp_path, broker) -> Settings:
+    return Settings(bootstrap_servers=broker, topic=f"t-{uuid.uuid4().hex[:8]}", storage=str(tmp_path / "data"),
+                    image_size=TEST_IMAGE_SIZE, model="cnn", partitions=3)
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m app ARGS` in a subprocess, as a user would run it."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    for variable in ("KAFKA_BOOTSTRAP_SERVERS", "ARGUS_TOPIC", "ARGUS_STORAGE", "MLFLOW_TRACKING_URI", "RAY_ADDRESS"):
+        if env is None or variable not in env:
+            full_env.pop(variable, None)
+    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, env=full_env,
+                          timeout=timeout, cwd=ROOT)
+
+
+def settings_args(settings: Settings) -> list[str]:
+    return ["--bootstrap-servers", settings.bootstrap_servers, "--topic", settings.topic,
+            "--storage", settings.storage, "--image-size", str(settings.image_size), "--model", settings.model,
+            "--partitions", str(settings.partitions)]

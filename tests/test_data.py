@@ -1,0 +1,166 @@
+"""Producing and ingesting against the real embedded broker and a real local Ray.
+
+Every consumed offset must land exactly once: in a snapshot or in the dead-letter topic.
+"""
+from __future__ import annotations
+
+import io
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from kafka import KafkaConsumer, TopicPartition
+from PIL import Image
+
+from app import synth
+from app.config import IngestConfig, ProduceConfig
+from app.data import (MANIFEST, SCHEMA_VERSION, ingest, list_manifests, make_producer, preprocess, produce,
+                      record_headers, snapshot_uri)
+from conftest import run_cli, settings_args
+
+
+def consume_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 30) -> list:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False,
+                             consumer_timeout_ms=2000)
+    partitions = consumer.partitions_for_topic(topic) or set()
+    consumer.assign([TopicPartition(topic, p) for p in partitions])
+    consumer.seek_to_beginning()
+    records = []
+    import time
+    deadline = time.monotonic() + timeout_s
+    while len(records) < expected and time.monotonic() < deadline:
+        records.extend(consumer)
+    consumer.close()
+    return records
+
+
+def snapshot_rows(settings, snapshot_id: str) -> list[dict]:
+    import ray.data
+
+    return ray.data.read_parquet(snapshot_uri(settings, snapshot_id), file_extensions=["parquet"]).take_all()
+
+
+def send(settings, records) -> list[tuple[int, int]]:
+    """Publish (key, value, label, event_time) through a batching producer; return (partition, offset)s."""
+    producer = make_producer(settings.bootstrap_servers, linger_ms=50)
+    futures = [producer.send(settings.topic, key=key.encode(), value=value,
+                             headers=record_headers(label, event_time, "dev-1")) for key, value, label, event_time in records]
+    producer.flush()
+    producer.close()
+    return [(f.get().partition, f.get().offset) for f in futures]
+
+
+def valid_records(n: int, seed: int, size: int = 32) -> list[tuple]:
+    return [(r.user_id, r.value, r.label, r.event_time_ms)
+            for r in synth.generate(n, seed=seed, size=size, late_fraction=0.0, corrupt_fraction=0.0)]
+
+
+def test_produce_synthetic_follows_the_contract(settings):
+    report = produce(settings, ProduceConfig(synthetic=40, corrupt_fraction=0.0, source_image_size=32),
+                     settings.bootstrap_servers)
+    assert report.records == 40 and report.bytes > 0
+    records = consume_all(settings.bootstrap_servers, settings.topic, 40)
+    assert len(records) == 40
+    partition_of_user = {}
+    for record in records:
+        headers = {k: v.decode() for k, v in record.headers}
+        user = record.key.decode()
+        assert user.startswith("user-")
+        assert partition_of_user.setdefault(user, record.partition) == record.partition  # users keep order
+        assert headers["schema"] == SCHEMA_VERSION and headers["label"] in synth.DEFAULT_CLASSES
+        assert int(headers["event_time"]) > 1_600_000_000_000 and headers["device_id"].startswith("dev-")
+        image = Image.open(io.BytesIO(record.value))
+        assert image.format == "PNG" and image.size == (32, 32)
+
+
+def test_produce_from_dir(settings, tmp_path):
+    for label in ("normal", "ransom_note"):
+        (tmp_path / "images" / label).mkdir(parents=True)
+        for i in range(2):
+            Image.new("RGB", (20, 20), (i * 50, 10, 10)).save(tmp_path / "images" / label / f"{i}.png")
+    (tmp_path / "images" / "normal" / "notes.txt").write_text("not an image: skipped by extension")
+    result = run_cli("produce", "--from-dir", str(tmp_path / "images"), *settings_args(settings))
+    assert result.returncode == 0, result.stderr
+    assert "produced 4 records" in result.stdout and "records/s" in result.stdout
+    labels = Counter(dict(r.headers)["label"].decode() for r in consume_all(settings.bootstrap_servers, settings.topic, 4))
+    assert labels == {"normal": 2, "ransom_note": 2}
+
+
+def test_ingest_is_exact_and_resumable(settings, ray_cluster):
+    import dataclasses
+
+    settings = dataclasses.replace(settings, classes=synth.DEFAULT_CLASSES)
+    valid = valid_records(60, seed=1)
+    now = max(r[3] for r in valid)
+    late = [("user-late", valid[0][1], "normal", now - 5 * 3600 * 1000)]  # far behind the watermark
+    corrupt = [(f"user-bad-{i}", b"\x89PNG not really" + bytes([i]), "normal", now) for i in range(5)]
+    unknown = [(f"user-alien-{i}", valid[i][1], "alien_label", now) for i in range(5)]
+    oversized = [("user-big", b"\x00" * 5000, "normal", now)]
+    coordinates = send(settings, valid + late + corrupt + unknown + oversized)
+    good, bad = set(coordinates[:61]), set(coordinates[61:])
+
+    cfg = IngestConfig(max_record_bytes=4096, allowed_lateness_s=3600)
+    first = ingest(settings, cfg, settings.bootstrap_servers)
+    assert first.snapshot_id and first.records == 61 and first.dlq == 11
+    rows = snapshot_rows(settings, first.snapshot_id)
+    assert {(r["partition"], r["offset"]) for r in rows} == good and len(rows) == 61
+    manifest = json.loads(open(f"{snapshot_uri(settings, first.snapshot_id)}/{MANIFEST}").read())
+    assert manifest["records"] == 61 and manifest["dlq"] == 11
+    assert manifest["classes"] == list(synth.DEFAULT_CLASSES)
+    assert manifest["normalization"]["mean"] == [0.485, 0.456, 0.406] and manifest["image_size"] == 32
+    assert sum(o["end"] - o["start"] for o in manifest["offsets"].values()) == 72
+    assert manifest["event_time"]["late_records"] == 1
+    assert [r["key"] for r in rows if r["late"]] == ["user-late"]
+
+    # The ingest transform equals the serving transform on the same bytes, bit for bit.
+    by_coordinate = {(r["partition"], r["offset"]): r for r in rows}
+    for (partition, offset), record in list(zip(coordinates, valid))[:5]:
+        stored = torch.as_tensor(by_coordinate[(partition, offset)]["image"])
+        assert torch.equal(stored, preprocess([record[1]], 32)[0])
+
+    dead = consume_all(settings.bootstrap_servers, settings.dlq_topic, 11)
+    assert len(dead) == 11
+    dead_sources = {(int(dict(d.headers)["source_partition"]), int(dict(d.headers)["source_offset"])) for d in dead}
+    assert dead_sources == bad
+    errors = Counter(dict(d.headers)["error"].decode().split(":")[0].split(" ")[0] for d in dead)
+    assert errors == {"undecodable": 5, "unknown": 5, "record": 1}
+
+    again = ingest(settings, cfg, settings.bootstrap_servers)
+    assert again.snapshot_id is None and "nothing new" in str(again)
+    assert len(list_manifests(settings)) == 1
+
+    more = send(settings, valid_records(20, seed=2))
+    second = ingest(settings, cfg, settings.bootstrap_servers)
+    assert second.records == 20 and second.dlq == 0
+    assert {(r["partition"], r["offset"]) for r in snapshot_rows(settings, second.snapshot_id)} == set(more)
+
+    committed = KafkaConsumer(bootstrap_servers=settings.bootstrap_servers, group_id=cfg.group)
+    ends = {p: e for p, (_, e) in second.offsets.items()}
+    for partition, end in ends.items():
+        assert committed.committed(TopicPartition(settings.topic, partition)) == end
+    committed.close()
+
+
+@pytest.mark.parametrize("fault", ["after_write", "before_commit"])
+def test_ingest_killed_then_rerun_loses_and_duplicates_nothing(settings, ray_cluster, fault):
+    coordinates = send(settings, valid_records(30, seed=3))
+    args = ["ingest", *settings_args(settings)]
+    killed = run_cli(*args, env={"ARGUS_FAULT": fault})
+    assert killed.returncode == 137, killed.stderr[-2000:]
+    rerun = run_cli(*args)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert run_cli(*args).stdout.strip().startswith("nothing new")
+    manifests = list_manifests(settings)
+    rows = [row for m in manifests for row in snapshot_rows(settings, m["snapshot_id"])]
+    assert len(rows) == 30 and {(r["partition"], r["offset"]) for r in rows} == set(coordinates)
+
+
+def test_preprocess_normalises_with_imagenet_statistics():
+    white = io.BytesIO()
+    Image.new("RGB", (50, 30), (255, 255, 255)).save(white, format="PNG")
+    tensor = preprocess([white.getvalue()], 16)
+    assert tensor.shape == (1, 3, 16, 16)
+    expected = (1 - np.array([0.485, 0.456, 0.406])) / np.array([0.229, 0.224, 0.225])
+    assert np.allclose(tensor[0, :, 5, 5].numpy(), expected, atol=1e-5)
