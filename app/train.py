@@ -286,8 +286,8 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
     if result.error:
         raise RuntimeError(f"training failed: {result.error}")
     best_checkpoint, best_metrics = max(result.best_checkpoints, key=lambda cm: cm[1]["val_accuracy"])
-    with best_checkpoint.as_directory() as directory:
-        state = torch.load(Path(directory, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
+    state = _load_checkpoint(best_checkpoint)
+    history = _load_checkpoint(result.checkpoint)["history"]  # the latest one has every epoch
     net = core.build_model(settings.model, len(classes), features=features)
     net.load_state_dict(state["model"])
 
@@ -295,9 +295,14 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
                               features=features, training_kind="ddp", snapshots=lineage,
                               metrics={"val_accuracy": best_metrics["val_accuracy"],
                                        "train_loss": best_metrics["train_loss"], "epoch": best_metrics["epoch"]})
-    run_id = _log_run(settings, cfg, run_name, state["history"], best_metrics, classes, loop_config)
+    run_id = _log_run(settings, cfg, run_name, history, best_metrics, classes, loop_config)
     version = registry.register(settings.tracking_uri, settings.model_name, run_id, net, card)
-    return TrainReport(version, run_id, best_metrics, len(state["history"]), classes, state["history"][-1]["checksum"])
+    return TrainReport(version, run_id, best_metrics, len(history), classes, history[-1]["checksum"])
+
+
+def _load_checkpoint(checkpoint) -> dict:
+    with checkpoint.as_directory() as directory:
+        return torch.load(Path(directory, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
 
 
 def _log_run(settings: Settings, cfg: TrainConfig, run_name: str, history: list[dict], best: dict,

@@ -54,3 +54,21 @@ def settings_args(settings: Settings) -> list[str]:
     return ["--bootstrap-servers", settings.bootstrap_servers, "--topic", settings.topic,
             "--storage", settings.storage, "--image-size", str(settings.image_size), "--model", settings.model,
             "--partitions", str(settings.partitions)]
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, broker, ray_cluster):
+    """One snapshot of synthetic records and one registered model, shared by train and serve tests."""
+    from app.config import IngestConfig, ProduceConfig, TrainConfig
+    from app.data import ingest, produce
+    from app.train import train
+
+    settings = Settings(bootstrap_servers=broker, topic=f"t-{uuid.uuid4().hex[:8]}",
+                        storage=str(tmp_path_factory.mktemp("trained") / "data"), image_size=TEST_IMAGE_SIZE,
+                        model="cnn", partitions=2)
+    produce(settings, ProduceConfig(synthetic=480, seed=5, source_image_size=TEST_IMAGE_SIZE, corrupt_fraction=0.02),
+            broker)
+    snapshot = ingest(settings, IngestConfig(), broker)
+    train_config = TrainConfig(epochs=3, num_workers=2, batch_size=32, lr=3e-3, seed=11, max_failures=0)
+    report = train(settings, train_config)
+    return settings, snapshot, train_config, report

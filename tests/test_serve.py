@@ -1,0 +1,126 @@
+"""Serving over real HTTP on 127.0.0.1: Ray Serve, the registry's alias, and input safety."""
+from __future__ import annotations
+
+import dataclasses
+import io
+import threading
+import time
+
+import pytest
+import requests
+import torch
+from PIL import Image
+
+from app import registry, synth
+from app.broker import free_port
+from app.config import ServeConfig
+from app.data import preprocess
+
+
+@pytest.fixture(scope="module")
+def endpoint(trained):
+    from ray import serve
+
+    from app.serve import deploy, wait_for_version
+
+    settings, _, _, report = trained
+    url = deploy(settings, ServeConfig(http_port=free_port(), poll_s=0.5, max_batch_size=8), blocking=False)
+    wait_for_version(url, report.version)
+    yield url
+    serve.shutdown()
+
+
+def _png(value_seed: int) -> tuple[str, bytes]:
+    record = next(synth.generate(1, seed=value_seed, size=48))
+    return record.label, record.value
+
+
+def test_predictions_match_the_offline_model(trained, endpoint):
+    settings, _, _, report = trained
+    offline = registry.load(settings.tracking_uri, settings.model_name, report.version)
+    for seed in range(4):
+        _, value = _png(seed)
+        answer = requests.post(f"{endpoint}/predict", data=value, headers={"Content-Type": "image/png"}, timeout=30)
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        with torch.inference_mode():
+            expected = torch.softmax(offline.model(preprocess([value], offline.card.image_size)), 1)[0]
+        assert body["model_version"] == report.version
+        assert body["label"] == offline.card.classes[int(expected.argmax())]
+        assert [body["scores"][c] for c in offline.card.classes] == pytest.approx(expected.tolist(), abs=1e-5)
+    multipart = requests.post(f"{endpoint}/predict", files={"image": ("x.png", value, "image/png")}, timeout=30)
+    assert multipart.status_code == 200 and multipart.json()["label"] == body["label"]
+
+
+def test_bad_input_is_a_json_4xx_and_the_service_keeps_serving(endpoint):
+    bomb = io.BytesIO()
+    Image.new("1", (9000, 9000)).save(bomb, format="PNG")  # tiny file, 81 Mpx when decoded
+    cases = [
+        (b"definitely not an image", "image/png", 400),
+        (b"\x00" * (11 * 1024 * 1024), "image/jpeg", 413),
+        (b"hello", "text/plain", 415),
+        (b"", "image/png", 400),
+        (bomb.getvalue(), "image/png", 400),
+    ]
+    for body, content_type, status in cases:
+        answer = requests.post(f"{endpoint}/predict", data=body, headers={"Content-Type": content_type}, timeout=30)
+        assert answer.status_code == status, (content_type, answer.text)
+        assert answer.headers["content-type"].startswith("application/json")
+        assert answer.json()["error"]
+    missing_field = requests.post(f"{endpoint}/predict", files={"other": ("x.png", b"x")}, timeout=30)
+    assert missing_field.status_code == 400 and "image" in missing_field.json()["error"]
+    assert requests.get(f"{endpoint}/nope", timeout=10).json() == {"error": "Not Found"}
+    _, value = _png(7)
+    assert requests.post(f"{endpoint}/predict", data=value, headers={"Content-Type": "image/png"}).status_code == 200
+
+
+def test_healthz_model_and_docs(trained, endpoint):
+    settings, snapshot, _, report = trained
+    health = requests.get(f"{endpoint}/healthz", timeout=10).json()
+    assert health == {"status": "ok", "model_version": report.version}
+    info = requests.get(f"{endpoint}/model", timeout=10).json()
+    assert info["name"] == settings.model_name and info["version"] == report.version
+    assert info["run_id"] == report.run_id and info["classes"] == report.classes
+    assert info["image_size"] == settings.image_size
+    assert info["snapshots"][0]["snapshot_id"] == snapshot.snapshot_id
+    assert set(info["snapshots"][0]["offsets"]) == {str(p) for p in snapshot.offsets}
+    assert requests.get(f"{endpoint}/docs", timeout=10).status_code == 200
+
+
+def test_promote_switches_versions_with_no_failed_request(trained, endpoint):
+    settings, _, _, report = trained
+    current = registry.load(settings.tracking_uri, settings.model_name, report.version)
+    mlflow = registry._mlflow(settings.tracking_uri)
+    experiment = registry.experiment_id(settings.tracking_uri, registry.artifact_root(settings))
+    with mlflow.start_run(experiment_id=experiment, run_name="candidate") as run:
+        card = dataclasses.replace(current.card, training_kind="federated")
+        candidate = registry.register(settings.tracking_uri, settings.model_name, run.info.run_id, current.model, card)
+    _, value = _png(3)
+    answers, stop = [], threading.Event()
+
+    def traffic():
+        while not stop.is_set():
+            try:
+                response = requests.post(f"{endpoint}/predict", data=value, headers={"Content-Type": "image/png"},
+                                         timeout=30)
+                answers.append((response.status_code, response.json().get("model_version")))
+            except requests.RequestException as exc:
+                answers.append((0, str(exc)))
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    try:
+        time.sleep(1.0)
+        registry.promote(settings.tracking_uri, settings.model_name, candidate)
+        from app.serve import wait_for_version
+
+        wait_for_version(endpoint, candidate, timeout_s=60)
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        thread.join()
+        registry.promote(settings.tracking_uri, settings.model_name, report.version)
+    assert answers and all(status == 200 for status, _ in answers), [a for a in answers if a[0] != 200][:5]
+    versions = [v for _, v in answers]
+    switch = versions.index(candidate)
+    assert set(versions[:switch]) == {report.version} and set(versions[switch:]) == {candidate}

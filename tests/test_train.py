@@ -1,0 +1,107 @@
+"""Training: real Ray Train on CPU with 2 workers, real MLflow; plus the core's numerics."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from app import model as core
+from app.data import read_manifest
+
+
+def test_training_learns_and_registers_lineage(trained):
+    settings, snapshot, _, report = trained
+    assert report.metrics["val_accuracy"] > 0.45, report.metrics  # chance is 1/6
+    assert report.epochs == 3
+    import mlflow
+
+    mlflow.set_tracking_uri(settings.tracking_uri)
+    client = mlflow.MlflowClient()
+    version = client.get_model_version(settings.model_name, report.version)
+    assert version.tags["training_kind"] == "ddp"
+    assert version.tags["snapshot_ids"] == snapshot.snapshot_id
+    manifest = read_manifest(settings, snapshot.snapshot_id)
+    offsets = json.loads(version.tags["kafka_offsets"])[snapshot.snapshot_id]
+    assert offsets == {p: {"start": o["start"], "end": o["end"]} for p, o in manifest["offsets"].items()}
+    assert json.loads(version.tags["classes"]) == report.classes == manifest["classes"]
+    assert str(client.get_model_version_by_alias(settings.model_name, "champion").version) == report.version
+    artifacts = {a.path for a in client.list_artifacts(report.run_id)}
+    assert {"curves.png", "history.json", "model"} <= artifacts
+    recall_metrics = [k for k in client.get_run(report.run_id).data.metrics if k.startswith("val_recall.")]
+    assert len(recall_metrics) == len(report.classes)
+
+
+@pytest.mark.slow
+def test_same_seed_same_metrics(trained):
+    from app.train import train
+
+    settings, _, train_config, report = trained
+    again = train(settings, train_config)
+    assert again.metrics["val_accuracy"] == report.metrics["val_accuracy"]
+    assert again.metrics["train_loss"] == pytest.approx(report.metrics["train_loss"], rel=1e-6)
+    assert again.checksum == report.checksum
+
+
+@pytest.mark.slow
+def test_killed_worker_resumes_from_checkpoint(trained, tmp_path):
+    from app.train import train
+
+    settings, _, train_config, _ = trained
+    cfg = dataclasses.replace(train_config, epochs=3, fail_at_epoch=1, max_failures=1, run_name="fault-run")
+    report = train(settings, cfg)
+    assert report.epochs == 3
+    marker = f"{settings.uri('checkpoints', 'train')}/fault-run/.fault-fired"
+    assert open(marker).read()  # the fault really fired, and the run still finished all epochs
+
+
+def _linear_batches(seed: int, n: int, batch: int):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=generator)
+    y = (x[:, 0] > 0).long()
+    return [(x[i:i + batch], y[i:i + batch]) for i in range(0, n, batch)]
+
+
+def test_grad_accumulation_matches_a_larger_batch():
+    torch.manual_seed(0)
+    base = nn.Linear(8, 2)
+    small, large = copy.deepcopy(base), copy.deepcopy(base)
+    loss_fn = nn.CrossEntropyLoss()
+    opt_small = torch.optim.SGD(small.parameters(), lr=0.1)
+    opt_large = torch.optim.SGD(large.parameters(), lr=0.1)
+    cpu = torch.device("cpu")
+    core.train_epoch(small, _linear_batches(1, 64, 8), opt_small, loss_fn, device=cpu, grad_accum=2)
+    core.train_epoch(large, _linear_batches(1, 64, 16), opt_large, loss_fn, device=cpu, grad_accum=1)
+    for a, b in zip(small.parameters(), large.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+    changed = copy.deepcopy(base)
+    assert not torch.allclose(changed.weight, small.weight)  # the steps really happened
+
+
+def test_bf16_autocast_on_cpu_lowers_the_loss():
+    torch.manual_seed(0)
+    net = core.build_model("cnn", 2)
+    images = torch.randn(32, 3, 16, 16)
+    labels = (images[:, 0].mean((1, 2)) > 0).long()
+    batches = [(images[i:i + 8], labels[i:i + 8]) for i in range(0, 32, 8)]
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    losses = [core.train_epoch(net, batches, optimizer, nn.CrossEntropyLoss(), device=torch.device("cpu"),
+                               amp=torch.bfloat16)["loss"] for _ in range(8)]
+    assert losses[-1] < losses[0] * 0.7, losses
+
+
+def test_parameter_checksum_detects_any_difference():
+    net = core.build_model("cnn", 3)
+    twin = copy.deepcopy(net)
+    assert core.parameter_checksum(net) == core.parameter_checksum(twin)
+    with torch.no_grad():
+        twin.head.bias[0] += 1e-7
+    assert core.parameter_checksum(net) != core.parameter_checksum(twin)
+
+
+def test_amp_auto_is_off_on_cpu():
+    assert core.amp_dtype("auto", torch.device("cpu")) is None
+    assert core.amp_dtype("bf16", torch.device("cpu")) is torch.bfloat16
