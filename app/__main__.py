@@ -9,6 +9,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 import time
 
 from app.config import (AMP_MODES, MODELS, ConfigError, IngestConfig, ProduceConfig, ServeConfig, TrainConfig,
@@ -56,7 +57,7 @@ def _add_ingest(parser) -> None:
 def _add_train(parser) -> None:
     parser.add_argument("--epochs", type=int)
     parser.add_argument("--batch-size", type=int, help="per-worker micro-batch (default 32)")
-    parser.add_argument("--num-workers", type=int, help="training workers (default 2)")
+    parser.add_argument("--num-workers", help="training workers, N or MIN-MAX for an elastic group (default 2)")
     parser.add_argument("--use-gpu", action="store_true", default=None)
     parser.add_argument("--cpus-per-worker", type=float, help="logical CPUs per worker (default 0.5)")
     parser.add_argument("--amp", choices=AMP_MODES, help="mixed precision (auto: on with a GPU, off on CPU)")
@@ -119,7 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     promote.add_argument("version")
     promote.add_argument("--alias", default="champion")
     promote.add_argument("--wait-url", help="wait until this endpoint's /healthz reports VERSION")
-    command("watch", "keep ingesting in micro-batches; alert when end-to-end lag exceeds --lag-alert-s (issue #7)")
+    watch_parser = command("watch", "keep ingesting in micro-batches; alert when end-to-end lag exceeds --lag-alert-s",
+                           _add_ingest)
+    watch_parser.add_argument("--lag-alert-s", type=float, help="alert threshold in seconds (default 5)")
+    watch_parser.add_argument("--interval-s", type=float, help="pause between micro-batches (default 5)")
+    watch_parser.add_argument("--pause-file", help="while this file exists, measure lag but do not ingest")
+    watch_parser.add_argument("--max-ticks", type=int, help="stop after this many micro-batches")
     command("drift", "compare served traffic with the training snapshot; --retrain submits a job (issue #7)")
     return parser
 
@@ -155,6 +161,19 @@ def run(args: argparse.Namespace) -> int:
         cfg = from_namespace(IngestConfig, args)
         with embedded.kafka_endpoint(settings) as bootstrap, ray_session(settings):
             print(ingest(settings, cfg, bootstrap))
+        return 0
+    if args.command == "watch":
+        from app.cluster import ray_session
+        from app.watch import WatchConfig, watch
+
+        cfg = from_namespace(WatchConfig, args)
+        ingest_cfg = from_namespace(IngestConfig, args)
+        stop = threading.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda _s, _f: stop.set())
+        with embedded.kafka_endpoint(settings) as bootstrap, ray_session(settings):
+            alerts = watch(settings, cfg, ingest_cfg, bootstrap, stop)
+        print(f"watch stopped after raising {alerts} lag alerts")
         return 0
     if args.command == "train":
         from app.cluster import ray_session

@@ -171,7 +171,8 @@ class TrainConfig:
     epochs: int = 3
     batch_size: int = 32
     """Per-worker micro-batch size."""
-    num_workers: int = 2
+    num_workers: int | tuple[int, int] = 2
+    """Training workers, or a (min, max) range for an elastic worker group."""
     use_gpu: bool = False
     cpus_per_worker: float = 0.5
     """Logical CPUs per worker: a fraction leaves room for Ray Data on small machines."""
@@ -195,7 +196,14 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}")
         _require(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
-        _require(self.num_workers >= 1, f"--num-workers must be >= 1, got {self.num_workers}")
+        if isinstance(self.num_workers, str):
+            low, _, high = self.num_workers.partition("-")
+            _require(low.isdigit() and (not high or high.isdigit()),
+                     f"--num-workers must be N or MIN-MAX, got {self.num_workers!r}")
+            self.num_workers = (int(low), int(high)) if high else int(low)
+        counts = self.num_workers if isinstance(self.num_workers, tuple) else (self.num_workers,)
+        _require(min(counts) >= 1 and counts == tuple(sorted(counts)),
+                 f"--num-workers must be >= 1 (and MIN <= MAX), got {self.num_workers}")
         _require(self.cpus_per_worker > 0, "--cpus-per-worker must be > 0")
         _require(self.amp in AMP_MODES, f"--amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
         _require(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
@@ -203,6 +211,10 @@ class TrainConfig:
         _require(0 < self.val_fraction < 1, "--val-fraction must be in (0, 1)")
         _require(self.balance in ("weights", "sampler", "none"), "--balance must be weights, sampler or none")
         _require(self.max_failures >= 0, "--max-failures must be >= 0")
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
 
 
 @dataclass(kw_only=True)

@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
+from app import metrics
 from app.config import IMAGENET_MEAN, IMAGENET_STD, IngestConfig, ProduceConfig, Settings
 
 log = logging.getLogger(__name__)
@@ -684,8 +685,15 @@ def ingest(settings: Settings, cfg: IngestConfig, bootstrap_servers: str) -> Ing
     fs.move(staging, f"{snapshots_root}/{snapshot_id}")
     _fault("before_commit")
     _commit_offsets(settings, cfg, bootstrap_servers, {p: e for p, (_, e) in ranges.items()})
-    return IngestReport(snapshot_id, manifest["records"], manifest["dlq"], ranges,
-                        time.perf_counter() - started, manifest["value_bytes"])
+    report = IngestReport(snapshot_id, manifest["records"], manifest["dlq"], ranges,
+                          time.perf_counter() - started, manifest["value_bytes"])
+    metrics.inc("argus_records_ingested", report.records, topic=settings.topic)
+    metrics.inc("argus_dlq_records", report.dlq, topic=settings.topic)
+    metrics.set_gauge("argus_ingest_records_per_second", (report.records + report.dlq) / report.seconds,
+                      topic=settings.topic)
+    metrics.set_gauge("argus_ingest_megabytes_per_second", report.value_bytes / report.seconds / 1e6,
+                      topic=settings.topic)
+    return report
 
 
 def build_manifest(settings: Settings, cfg: IngestConfig, snapshot_id: str, ranges: dict[int, tuple[int, int]],
@@ -741,6 +749,7 @@ def build_manifest(settings: Settings, cfg: IngestConfig, snapshot_id: str, rang
         "image_size": settings.image_size,
         "normalization": {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)},
         "features": cfg.features,
+        "features_weights": cfg.weights if cfg.features else None,
         "event_time": {"min": event_min, "max": event_max, "late_records": late,
                        "allowed_lateness_s": cfg.allowed_lateness_s},
         "value_bytes": value_bytes,

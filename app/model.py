@@ -40,7 +40,8 @@ class SmallCNN(nn.Module):
 class FeatureHead(nn.Module):
     """A frozen ResNet-50 backbone and a trainable head; trains on precomputed features.
 
-    `forward` takes images (serving); `forward_features` takes the snapshot's 2048-d features.
+    `forward` takes images [N, 3, H, W] (serving) or the snapshot's features [N, 2048] (training),
+    so DDP wraps it like any other model.
     """
 
     def __init__(self, num_classes: int, weights: str | None = None):
@@ -50,11 +51,10 @@ class FeatureHead(nn.Module):
         self.head = nn.Linear(FEATURE_DIM, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return self.head(x)
         with torch.no_grad():
             features = self.backbone.eval()(x)
-        return self.head(features)
-
-    def forward_features(self, features: torch.Tensor) -> torch.Tensor:
         return self.head(features)
 
 
@@ -136,8 +136,7 @@ def amp_dtype(mode: str, device: torch.device) -> torch.dtype | None:
 
 def train_epoch(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], optimizer,
                 loss_fn: nn.Module, *, device: torch.device, amp: torch.dtype | None = None,
-                scaler: torch.amp.GradScaler | None = None, grad_accum: int = 1,
-                inputs_are_features: bool = False) -> dict[str, float]:
+                scaler: torch.amp.GradScaler | None = None, grad_accum: int = 1) -> dict[str, float]:
     """One pass; an optimiser step every `grad_accum` micro-batches, gradient sync only on that one.
 
     Under DDP, `no_sync()` skips the all-reduce on the other micro-batches, so K micro-batches cost
@@ -146,7 +145,6 @@ def train_epoch(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Te
     model.train()
     total_loss, total_examples, correct = 0.0, 0, 0
     optimizer.zero_grad(set_to_none=True)
-    forward = unwrap(model).forward_features if inputs_are_features else model
     micro = 0
     for micro, ((inputs, targets), is_last) in enumerate(_lookahead(batches), start=1):
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
@@ -154,7 +152,7 @@ def train_epoch(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Te
         sync = contextlib.nullcontext() if step_now or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-                logits = forward(inputs)
+                logits = model(inputs)
             loss = loss_fn(logits.float(), targets)
             scaled = loss / grad_accum
             (scaler.scale(scaled) if scaler else scaled).backward()
@@ -187,16 +185,15 @@ def _lookahead(iterable: Iterable) -> Iterator[tuple[object, bool]]:
 
 @torch.inference_mode()
 def evaluate(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], num_classes: int, *,
-             device: torch.device, loss_fn: nn.Module | None = None, inputs_are_features: bool = False) -> dict:
+             device: torch.device, loss_fn: nn.Module | None = None) -> dict:
     """Loss, accuracy, per-class recall and the confusion matrix (rows: truth, columns: prediction)."""
     model.eval()
-    forward = unwrap(model).forward_features if inputs_are_features else model
     loss_fn = loss_fn or nn.CrossEntropyLoss()
     confusion = torch.zeros((num_classes, num_classes), dtype=torch.int64)
     total_loss, total = 0.0, 0
     for inputs, targets in batches:
         inputs, targets = inputs.to(device), targets.to(device)
-        logits = forward(inputs).float()
+        logits = model(inputs).float()
         total_loss += loss_fn(logits, targets).item() * len(targets)
         total += len(targets)
         predictions = logits.argmax(1)

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app import registry
+from app import metrics, registry
 from app.config import DEFAULT_MODEL_NAME
 from app.data import BadImage, decode_image, normalize, pil_to_uint8
 
@@ -164,7 +164,15 @@ class ArgusModel:
 
     @api.post("/predict")
     async def predict(self, request: Request) -> JSONResponse:
+        started = time.perf_counter()
         current = self.current
+        response = await self._predict(request, current)
+        version = current.version if current else "none"
+        metrics.inc("argus_serve_requests", status=response.status_code, model_version=version)
+        metrics.observe("argus_serve_latency_seconds", time.perf_counter() - started, model_version=version)
+        return response
+
+    async def _predict(self, request: Request, current: registry.LoadedModel | None) -> JSONResponse:
         if current is None:
             return _error(503, f"no model version behind alias {self.alias!r} yet")
         try:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from app import metrics as dashboard
 from app import model as core
 from app.config import Settings, TrainConfig
 from app.data import encode_labels, list_manifests, snapshot_uri
@@ -113,7 +114,7 @@ def train_loop_per_worker(cfg: dict) -> None:
     device = ray.train.torch.get_device()
     num_classes = len(cfg["classes"])
 
-    model = core.build_model(cfg["model"], num_classes, features=cfg["features"])
+    model = core.build_model(cfg["model"], num_classes, features=cfg["features"], weights=cfg["backbone_weights"])
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     model = ray.train.torch.prepare_model(model)
@@ -143,10 +144,9 @@ def train_loop_per_worker(cfg: dict) -> None:
         if cfg["fail_at_epoch"] is not None:
             train_batches = _with_fault(train_batches, cfg, epoch)
         stats = core.train_epoch(model, train_batches, optimizer, loss_fn, device=device, amp=amp,
-                                 scaler=scaler, grad_accum=cfg["grad_accum"],
-                                 inputs_are_features=cfg["features"])
+                                 scaler=scaler, grad_accum=cfg["grad_accum"])
         val = core.evaluate(model, _batches(ray.train.get_dataset_shard("val"), cfg, device, generator, False),
-                            num_classes, device=device, inputs_are_features=cfg["features"])
+                            num_classes, device=device)
         confusion = _reduce_confusion(val["confusion"], device)
         support = confusion.sum(1)
         recall = [(confusion[i, i] / support[i]).item() if support[i] else None for i in range(num_classes)]
@@ -158,6 +158,11 @@ def train_loop_per_worker(cfg: dict) -> None:
                    "images_per_second": stats["examples"] * context.get_world_size() / seconds,
                    "checksum": checksum, "per_class_recall": recall}
         history.append({k: v for k, v in metrics.items() if k != "per_class_recall"})
+        if rank == 0:
+            for gauge, key in (("argus_train_loss", "train_loss"), ("argus_train_val_accuracy", "val_accuracy"),
+                               ("argus_train_images_per_second", "images_per_second"),
+                               ("argus_train_epoch_seconds", "epoch_seconds")):
+                dashboard.set_gauge(gauge, metrics[key], run=cfg["run_name"])
         with tempfile.TemporaryDirectory() as directory:
             report_checkpoint = None
             if rank == 0:
@@ -250,6 +255,8 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
     if len(classes) < 2:
         raise ValueError(f"training needs at least two classes; the snapshots have {classes}")
     features = all(m.get("features") for m in manifests)
+    backbone_weights = manifests[0].get("features_weights") if features else None
+    arch = "resnet50" if features else settings.model
     train_ds, val_ds, cutoff, n_train, n_val = build_datasets(settings, manifests, classes, cfg.val_fraction, features)
     if n_val == 0 or n_train == 0:
         raise ValueError(f"the event-time split left {n_train} train and {n_val} validation records")
@@ -262,17 +269,19 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
                 "offsets": {p: {"start": o["start"], "end": o["end"]} for p, o in m["offsets"].items()}}
                for m in manifests]
     loop_config = {
-        "model": settings.model, "features": features, "classes": classes, "epochs": cfg.epochs,
+        "run_name": run_name, "model": arch, "features": features, "backbone_weights": backbone_weights,
+        "classes": classes, "epochs": cfg.epochs,
         "batch_size": cfg.batch_size, "lr": cfg.lr, "seed": cfg.seed, "amp": cfg.amp,
         "grad_accum": cfg.grad_accum, "balance": cfg.balance, "augment": cfg.augment,
         "class_weights": class_weights(manifests, classes), "snapshot_ids": [m["snapshot_id"] for m in manifests],
         "threads": max(1, int(cfg.cpus_per_worker)) if not cfg.use_gpu else 4,
         "fail_at_epoch": cfg.fail_at_epoch, "fault_marker": f"{storage_path}/{run_name}/.fault-fired",
-        "steps_per_epoch_hint": max(1, n_train // (cfg.batch_size * cfg.num_workers)),
+        "steps_per_epoch_hint": max(1, n_train // (cfg.batch_size * cfg.max_workers)),
     }
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config,
+        # A (min, max) pair makes the worker group elastic: it starts with what fits and grows.
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                                resources_per_worker={"CPU": cfg.cpus_per_worker}),
         run_config=ray.train.RunConfig(
@@ -288,10 +297,10 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
     best_checkpoint, best_metrics = max(result.best_checkpoints, key=lambda cm: cm[1]["val_accuracy"])
     state = _load_checkpoint(best_checkpoint)
     history = _load_checkpoint(result.checkpoint)["history"]  # the latest one has every epoch
-    net = core.build_model(settings.model, len(classes), features=features)
+    net = core.build_model(arch, len(classes), features=features, weights=backbone_weights)
     net.load_state_dict(state["model"])
 
-    card = registry.ModelCard(arch=settings.model, classes=classes, image_size=settings.image_size,
+    card = registry.ModelCard(arch=arch, classes=classes, image_size=settings.image_size,
                               features=features, training_kind="ddp", snapshots=lineage,
                               metrics={"val_accuracy": best_metrics["val_accuracy"],
                                        "train_loss": best_metrics["train_loss"], "epoch": best_metrics["epoch"]})

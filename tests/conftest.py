@@ -25,13 +25,35 @@ def broker(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray sized like CI's machine; Ray Train's helpers and Serve share it."""
+    """A local Ray sized like CI's machine; Ray Train's helpers and Serve share it. Yields the
+    port of its Prometheus metrics endpoint."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False,
+    from app.broker import free_port
+
+    metrics_port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, _metrics_export_port=metrics_port,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    yield
+    yield metrics_port
     ray.shutdown()
+
+
+def scrape(metrics_port: int, *names: str, timeout_s: float = 45) -> dict[str, list[str]]:
+    """Poll Ray's Prometheus endpoint until every metric name has a sample; return their lines."""
+    import time
+
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    found: dict[str, list[str]] = {}
+    while time.monotonic() < deadline:
+        text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+        found = {n: [l for l in text.splitlines() if l.startswith(n + "{") or l.startswith(n + " ")] for n in names}
+        if all(found.values()):
+            return found
+        time.sleep(1)
+    missing = [n for n, lines in found.items() if not lines]
+    raise AssertionError(f"metrics never exported: {missing}")
 
 
 @pytest.fixture

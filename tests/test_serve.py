@@ -124,3 +124,14 @@ def test_promote_switches_versions_with_no_failed_request(trained, endpoint):
     versions = [v for _, v in answers]
     switch = versions.index(candidate)
     assert set(versions[:switch]) == {report.version} and set(versions[switch:]) == {candidate}
+
+
+def test_requests_are_counted_by_status_and_version(trained, endpoint, ray_cluster):
+    from conftest import scrape
+
+    _, _, _, report = trained
+    requests.post(f"{endpoint}/predict", data=b"x", headers={"Content-Type": "text/plain"}, timeout=10)
+    lines = scrape(ray_cluster, "ray_argus_serve_requests_total", "ray_argus_serve_latency_seconds_bucket")
+    counts = lines["ray_argus_serve_requests_total"]
+    assert any('status="200"' in l and f'model_version="{report.version}"' in l for l in counts)
+    assert any('status="415"' in l for l in counts)

@@ -13,7 +13,9 @@ from app import model as core
 from app.data import read_manifest
 
 
-def test_training_learns_and_registers_lineage(trained):
+def test_training_learns_and_registers_lineage(trained, ray_cluster):
+    from conftest import scrape
+
     settings, snapshot, _, report = trained
     assert report.metrics["val_accuracy"] > 0.45, report.metrics  # chance is 1/6
     assert report.epochs == 3
@@ -33,6 +35,7 @@ def test_training_learns_and_registers_lineage(trained):
     assert {"curves.png", "history.json", "model"} <= artifacts
     recall_metrics = [k for k in client.get_run(report.run_id).data.metrics if k.startswith("val_recall.")]
     assert len(recall_metrics) == len(report.classes)
+    scrape(ray_cluster, "ray_argus_train_loss", "ray_argus_train_images_per_second", "ray_argus_train_epoch_seconds")
 
 
 @pytest.mark.slow
@@ -105,3 +108,44 @@ def test_parameter_checksum_detects_any_difference():
 def test_amp_auto_is_off_on_cpu():
     assert core.amp_dtype("auto", torch.device("cpu")) is None
     assert core.amp_dtype("bf16", torch.device("cpu")) is torch.bfloat16
+
+
+@pytest.mark.slow
+def test_rerun_with_the_same_name_resumes(trained):
+    from app.train import train
+
+    settings, _, train_config, _ = trained
+    first = train(settings, dataclasses.replace(train_config, epochs=1, run_name="resumable"))
+    # A different seed would change every epoch it retrained; epoch 0 must come from the first run.
+    second = train(settings, dataclasses.replace(train_config, epochs=2, run_name="resumable", seed=99))
+    assert second.epochs == 2
+    history = json.loads(open(_artifact(settings, second.run_id, "history.json")).read())
+    assert history[0]["checksum"] == first.checksum and history[1]["checksum"] != first.checksum
+
+
+def _artifact(settings, run_id: str, name: str) -> str:
+    import mlflow
+
+    mlflow.set_tracking_uri(settings.tracking_uri)
+    return mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=name)
+
+
+def test_feature_snapshot_trains_a_head_that_serves_images(settings, ray_cluster):
+    """--features resnet50: the head trains on stored features; served on images, the frozen
+    backbone reproduces those features, so serving sees what training saw."""
+    from app import registry
+    from app.config import IngestConfig, ProduceConfig, TrainConfig
+    from app.data import ingest, preprocess, produce, snapshot_uri
+    from app.train import train
+    import ray.data
+
+    produce(settings, ProduceConfig(synthetic=96, seed=4, source_image_size=32, corrupt_fraction=0), settings.bootstrap_servers)
+    snapshot = ingest(settings, IngestConfig(features="resnet50"), settings.bootstrap_servers)
+    report = train(settings, TrainConfig(epochs=1, num_workers=2, batch_size=16, max_failures=0))
+    loaded = registry.load(settings.tracking_uri, settings.model_name, report.version)
+    assert loaded.card.features and loaded.card.arch == "resnet50"
+    rows = ray.data.read_parquet(snapshot_uri(settings, snapshot.snapshot_id), file_extensions=["parquet"]).take(3)
+    with torch.inference_mode():
+        from_features = loaded.model(torch.stack([torch.as_tensor(r["features"]) for r in rows]))
+        from_images = loaded.model(torch.stack([torch.as_tensor(r["image"]) for r in rows]))
+    assert torch.allclose(from_features, from_images, atol=1e-4)

@@ -1,0 +1,342 @@
+"""Ingest benchmarks (issue #3): Kafka read throughput, preprocessing images/s, streaming memory.
+
+    .venv/bin/python bench/ingest.py                      # small defaults, a few minutes on 2 cores
+    .venv/bin/python bench/ingest.py --records 50000 --pre-images 30000 --full-memory
+
+1. read: probe the true ends + `ray.data.read_datasource(KafkaRangeDatasource)` iterated to the
+   driver, vs a raw confluent-kafka consume loop over the same partitions and offset ranges
+   (one consumer, counting records and value bytes). Also, for diagnosis, the app's own
+   `read_partition_range` called partition by partition in this process. Goal ≥ 0.9×.
+2. preprocess: the `Preprocessor` UDF in a `map_batches` actor pool configured as `ingest` does
+   (batch 64, 1 CPU per actor, `--concurrency` actors: 1 by default, and 2), vs a plain
+   `multiprocessing.Pool(2)` decoding with Pillow, resizing (bilinear, antialiased) and
+   normalising with numpy, over the same encoded images. Wall time includes pool/actor start on
+   both sides; a steady-state rate (after the first batch) is printed too. Goal ≥ 1.0×. The plain
+   in-process `preprocess()` rate is printed for reference.
+3. memory: `python -m app ingest --image-size 32` in a child process over a topic of S and of L
+   records (32 px synthetic images), peak PSS summed over the whole process tree (driver, GCS,
+   raylet, Ray workers), alternating S and L. Goal L/S ≤ 1.2× (it streams).
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import _common as common
+from _common import ROOT, alternate, goal_line, median_of, print_table
+
+READ_GOAL, PRE_GOAL, MEM_GOAL = 0.9, 1.0, 1.2
+PRE_BATCH = 64
+
+
+# ---------------------------------------------------------------- 1. read throughput
+
+
+def ray_read(bootstrap: str, topic: str, partitions: list[int], records_per_block: int) -> dict:
+    """What ingest does before preprocessing: probe the true ends, then read every range with Ray Data."""
+    import pyarrow.compute as pc
+    import ray.data
+
+    from app.data import KafkaRangeDatasource, probe_end_offsets
+
+    started = time.perf_counter()
+    ends = probe_end_offsets(bootstrap, topic, partitions)
+    ranges = {p: (0, e) for p, e in ends.items() if e > 0}
+    source = KafkaRangeDatasource(bootstrap, topic, ranges, records_per_block, {}, 3_600_000)
+    dataset = ray.data.read_datasource(source, ray_remote_args={"num_cpus": 0.25})
+    rows = size = 0
+    for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow"):
+        rows += batch.num_rows
+        size += pc.sum(pc.binary_length(batch["value"])).as_py() or 0
+    return _rate(rows, size, time.perf_counter() - started)
+
+
+def raw_read(bootstrap: str, topic: str, ranges: dict[int, tuple[int, int]], records_per_block: int) -> dict:
+    """The plain baseline: one confluent-kafka consumer, assign the ranges, consume to their ends."""
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    started = time.perf_counter()
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-raw-{uuid.uuid4().hex[:8]}",
+                         "enable.auto.commit": False, "enable.partition.eof": True,
+                         "fetch.max.bytes": 64 * 1024 * 1024, "message.max.bytes": 64 * 1024 * 1024})
+    consumer.assign([TopicPartition(topic, p, start) for p, (start, _) in ranges.items()])
+    pending = {p for p, (start, end) in ranges.items() if end > start}
+    rows = size = 0
+    try:
+        while pending:
+            for message in consumer.consume(records_per_block, timeout=1.0):
+                if message.error():
+                    if message.error().code() != KafkaError._PARTITION_EOF:
+                        raise RuntimeError(str(message.error()))
+                    continue
+                end = ranges[message.partition()][1]
+                if message.offset() >= end:
+                    continue
+                rows += 1
+                size += len(message.value())
+                if message.offset() == end - 1:
+                    pending.discard(message.partition())
+    finally:
+        consumer.close()
+    return _rate(rows, size, time.perf_counter() - started)
+
+
+def app_reader_in_process(bootstrap: str, topic: str, ranges: dict[int, tuple[int, int]],
+                          records_per_block: int) -> dict:
+    """Diagnosis: the app's read_partition_range (Arrow blocks, headers parsed) without Ray."""
+    import pyarrow.compute as pc
+
+    from app.data import read_partition_range
+
+    started = time.perf_counter()
+    rows = size = 0
+    for p, (start, end) in sorted(ranges.items()):
+        for table in read_partition_range(bootstrap, topic, p, start, end, records_per_block, 0, 3_600_000):
+            rows += table.num_rows
+            size += pc.sum(pc.binary_length(table["value"])).as_py() or 0
+    return _rate(rows, size, time.perf_counter() - started)
+
+
+def _rate(rows: int, size: int, seconds: float) -> dict:
+    return {"records": rows, "seconds": seconds, "records_per_s": rows / seconds, "MB_per_s": size / seconds / 1e6}
+
+
+# ---------------------------------------------------------------- 2. preprocessing
+
+
+def raw_table(values: list[bytes], labels: list[str]):
+    """Rows shaped like the Kafka read's output (RAW_SCHEMA), for the Preprocessor UDF."""
+    import pyarrow as pa
+
+    from app.data import RAW_SCHEMA
+
+    n = len(values)
+    columns = {"partition": [0] * n, "offset": list(range(n)), "kafka_timestamp": [0] * n,
+               "key": ["user-0000"] * n, "value": values, "label": labels, "event_time": [0] * n,
+               "device_id": ["dev-0000-1"] * n, "schema": ["ubi.v1"] * n, "header_error": [None] * n,
+               "late": [False] * n}
+    return pa.Table.from_pydict(columns, schema=RAW_SCHEMA)
+
+
+def ray_preprocess(values: list[bytes], labels: list[str], image_size: int, concurrency: int,
+                   records_per_block: int) -> dict:
+    """Preprocessor in an actor pool, exactly as `ingest` passes it to map_batches."""
+    import ray.data
+
+    from app.config import IngestConfig
+    from app.data import Preprocessor
+
+    cfg = IngestConfig(concurrency=concurrency)
+    table = raw_table(values, labels)
+    blocks = [table.slice(i, records_per_block) for i in range(0, len(values), records_per_block)]
+    started = time.perf_counter()
+    dataset = ray.data.from_arrow(blocks).map_batches(
+        Preprocessor,
+        fn_constructor_kwargs=dict(image_size=image_size, classes=None, max_record_bytes=cfg.max_record_bytes,
+                                   features=None, weights=None),
+        batch_size=cfg.batch_size, concurrency=cfg.concurrency, batch_format="numpy", num_cpus=1, num_gpus=0,
+    )
+    rows, first = 0, None
+    for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
+        if first is None:
+            first = (time.perf_counter(), len(batch["image"]))
+        rows += len(batch["image"])
+    return _image_rate(rows, started, first)
+
+
+def _pil_worker(chunk: list[bytes], size: int):
+    """Plain baseline's unit of work: decode, RGB, resize (Pillow bilinear, antialiased), normalise."""
+    import numpy as np
+    from PIL import Image
+
+    mean = np.array([0.485, 0.456, 0.406], dtype=np.float32).reshape(3, 1, 1)
+    std = np.array([0.229, 0.224, 0.225], dtype=np.float32).reshape(3, 1, 1)
+    out = np.empty((len(chunk), 3, size, size), dtype=np.float32)
+    for i, value in enumerate(chunk):
+        image = Image.open(io.BytesIO(value)).convert("RGB").resize((size, size), Image.Resampling.BILINEAR)
+        chw = np.asarray(image, dtype=np.float32).transpose(2, 0, 1) / 255.0
+        out[i] = (chw - mean) / std
+    return out
+
+
+def pool_preprocess(values: list[bytes], image_size: int, processes: int) -> dict:
+    import functools
+    import multiprocessing
+
+    chunks = [values[i:i + PRE_BATCH] for i in range(0, len(values), PRE_BATCH)]
+    started = time.perf_counter()
+    # spawn, not fork: this process runs Ray's threads, and forking them is unsafe.
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        rows, first = 0, None
+        for out in pool.imap(functools.partial(_pil_worker, size=image_size), chunks):
+            if first is None:
+                first = (time.perf_counter(), len(out))
+            rows += len(out)
+    return _image_rate(rows, started, first)
+
+
+def in_process_preprocess(values: list[bytes], image_size: int) -> dict:
+    from app.data import preprocess
+
+    started = time.perf_counter()
+    rows = 0
+    for i in range(0, len(values), PRE_BATCH):
+        rows += len(preprocess(values[i:i + PRE_BATCH], image_size))
+    return _image_rate(rows, started, None)
+
+
+def _image_rate(rows: int, started: float, first: tuple[float, int] | None) -> dict:
+    ended = time.perf_counter()
+    result = {"images": rows, "seconds": ended - started, "images_per_s": rows / (ended - started)}
+    if first is not None and ended > first[0]:
+        result["steady_images_per_s"] = (rows - first[1]) / (ended - first[0])
+        result["startup_s"] = first[0] - started
+    return result
+
+
+# ---------------------------------------------------------------- 3. memory
+
+
+def ingest_child(bootstrap: str, topic: str, storage: str) -> dict:
+    """`python -m app ingest` as a user runs it; peak memory of its whole process tree."""
+    command = [sys.executable, "-m", "app", "ingest", "--bootstrap-servers", bootstrap, "--topic", topic,
+               "--storage", storage, "--image-size", "32", "--partitions", "4"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "KAFKA_BOOTSTRAP_SERVERS",
+                                                            "ARGUS_TOPIC", "ARGUS_STORAGE")}
+    env["PYTHONPATH"] = str(ROOT)
+    started = time.perf_counter()
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with common.TreeMemorySampler(process.pid) as sampler:
+        stdout, stderr = process.communicate(timeout=1800)
+    if process.returncode != 0:
+        raise RuntimeError(f"ingest exited {process.returncode}: {stderr[-2000:]}")
+    line = stdout.strip().splitlines()[-1]
+    return {"seconds": time.perf_counter() - started, "peak_pss_MB": sampler.peak_pss / 2**20,
+            "peak_rss_sum_MB": sampler.peak_rss / 2**20, "processes": sampler.peak_processes, "report": line}
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--records", type=int, default=20_000, help="records for the read benchmark")
+    parser.add_argument("--source-size", type=int, default=64, help="synthetic image side in the read topic")
+    parser.add_argument("--pre-images", type=int, default=8_000, help="images for the preprocessing benchmark")
+    parser.add_argument("--pre-source-size", type=int, default=128, help="side of the images preprocessed")
+    parser.add_argument("--image-size", type=int, default=64, help="--image-size the preprocessing resizes to")
+    parser.add_argument("--mem-records", default="2000,10000", help="small,large record counts for memory")
+    parser.add_argument("--full-memory", action="store_true", help="memory at the issue's 10000,50000")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--records-per-block", type=int, default=512)
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: read,preprocess,memory")
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    small, large = (10_000, 50_000) if args.full_memory else tuple(int(x) for x in args.mem_records.split(","))
+    print(f"bench/ingest.py · {common.machine_line()}")
+    goals: list[str] = []
+    tables: list[tuple] = []
+
+    with common.scratch_dir("argus-bench-ingest-") as tmp, common.embedded_broker(tmp) as bootstrap:
+        if "memory" not in skip:
+            # First, before this process holds a Ray: the children start their own.
+            print(f"\n== memory: `python -m app ingest --image-size 32` over {small} vs {large} records "
+                  f"(32 px synthetic){'' if args.full_memory else ' — scaled down; --full-memory for 10k vs 50k'}")
+            pool32 = common.synthetic_pool(500, 32, seed=3)
+            topics = {}
+            for n in (small, large):
+                topics[n] = f"bench-mem-{n}-{uuid.uuid4().hex[:6]}"
+                seconds = common.produce_records(bootstrap, topics[n], n, pool32)
+                print(f"  produced {n} records to {topics[n]} in {seconds:.1f}s")
+            memory = alternate({f"{n} records": (lambda n=n: ingest_child(
+                bootstrap, topics[n], str(tmp / f"store-{n}-{uuid.uuid4().hex[:6]}"))) for n in (small, large)},
+                args.repeats, "memory")
+            rows = []
+            for name, results in memory.items():
+                rows.append([name, median_of(results, "peak_pss_MB"), median_of(results, "peak_rss_sum_MB"),
+                             median_of(results, "seconds"), results[-1]["processes"]])
+                print(f"  {name}: {results[-1]['report']}")
+            ratio = median_of(memory[f"{large} records"], "peak_pss_MB") / median_of(memory[f"{small} records"],
+                                                                                   "peak_pss_MB")
+            tables.append((f"memory: peak PSS of the ingest process tree (median of {args.repeats})",
+                           ["run", "peak PSS MB", "RSS sum MB", "wall s", "processes"], rows))
+            scale = "" if args.full_memory else f" (scaled down to {small} vs {large}; --full-memory for 10k vs 50k)"
+            goals.append(goal_line(f"peak memory {large} vs {small} records", ratio, MEM_GOAL,
+                                   higher_is_better=False, note=scale.strip()))
+
+        with common.local_ray(num_cpus=2):
+            import ray.data
+
+            ray.data.DataContext.get_current().enable_progress_bars = False
+            if "read" not in skip:
+                topic = f"bench-read-{uuid.uuid4().hex[:6]}"
+                print(f"\n== read: {args.records} records of {args.source_size} px images, 4 partitions")
+                pool = common.synthetic_pool(min(args.records, 1000), args.source_size, seed=1)
+                seconds = common.produce_records(bootstrap, topic, args.records, pool)
+                print(f"  produced {args.records} records in {seconds:.1f}s")
+                from app.data import partitions_of, probe_end_offsets
+
+                partitions = partitions_of(bootstrap, topic)
+                ranges = {p: (0, e) for p, e in probe_end_offsets(bootstrap, topic, partitions).items()}
+                rpb = args.records_per_block
+                ray_read(bootstrap, topic, partitions, rpb)  # warm Ray's workers and imports once
+                read = alternate({
+                    "Ray Data (probe + KafkaRange)": lambda: ray_read(bootstrap, topic, partitions, rpb),
+                    "raw confluent-kafka loop": lambda: raw_read(bootstrap, topic, ranges, rpb),
+                    "app reader, no Ray (info)": lambda: app_reader_in_process(bootstrap, topic, ranges, rpb),
+                }, args.repeats, "read")
+                for results in read.values():
+                    assert all(r["records"] == args.records for r in results), results
+                rows = [[name, median_of(r, "records_per_s"), median_of(r, "MB_per_s"), median_of(r, "seconds")]
+                        for name, r in read.items()]
+                tables.append((f"read: {args.records} records (median of {args.repeats})",
+                               ["reader", "records/s", "MB/s", "s"], rows))
+                ratio = (median_of(read["Ray Data (probe + KafkaRange)"], "records_per_s")
+                         / median_of(read["raw confluent-kafka loop"], "records_per_s"))
+                goals.append(goal_line("ingest read vs raw confluent-kafka", ratio, READ_GOAL))
+
+            if "preprocess" not in skip:
+                print(f"\n== preprocess: {args.pre_images} images, {args.pre_source_size} px → {args.image_size} px")
+                pool = common.synthetic_pool(256, args.pre_source_size, seed=2)
+                values = [pool[i % len(pool)].value for i in range(args.pre_images)]
+                labels = [pool[i % len(pool)].label for i in range(args.pre_images)]
+                rpb = args.records_per_block
+                ray_preprocess(values[:512], labels[:512], args.image_size, 1, rpb)  # warm workers once
+                pre = alternate({
+                    "Ray actor pool, concurrency 1 (ingest default)":
+                        lambda: ray_preprocess(values, labels, args.image_size, 1, rpb),
+                    "Ray actor pool, concurrency 2":
+                        lambda: ray_preprocess(values, labels, args.image_size, 2, rpb),
+                    "multiprocessing.Pool(2) Pillow+numpy": lambda: pool_preprocess(values, args.image_size, 2),
+                    "in-process preprocess() (info)":
+                        lambda: in_process_preprocess(values[:min(len(values), 2000)], args.image_size),
+                }, args.repeats, "preprocess")
+                rows = [[name, median_of(r, "images_per_s"),
+                         median_of(r, "steady_images_per_s") if "steady_images_per_s" in r[0] else "-",
+                         median_of(r, "startup_s") if "startup_s" in r[0] else "-", median_of(r, "seconds")]
+                        for name, r in pre.items()]
+                tables.append((f"preprocess: {args.pre_source_size}→{args.image_size} px (median of {args.repeats})",
+                               ["pipeline", "images/s", "steady img/s", "startup s", "s"], rows))
+                baseline = pre["multiprocessing.Pool(2) Pillow+numpy"]
+                for name in ("Ray actor pool, concurrency 1 (ingest default)", "Ray actor pool, concurrency 2"):
+                    ratio = median_of(pre[name], "images_per_s") / median_of(baseline, "images_per_s")
+                    steady = median_of(pre[name], "steady_images_per_s") / median_of(baseline, "steady_images_per_s")
+                    goals.append(goal_line(f"preprocessing images/s ({name.split(', ')[1]}) vs Pool(2)", ratio,
+                                           PRE_GOAL, note=f"(steady state {steady:.2f}×)"))
+
+    print("\n== summary")
+    for title, header, rows in tables:
+        print_table(title, header, rows)
+    print()
+    for line in goals:
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
