@@ -6,6 +6,7 @@ bad) and calls one function of its stage module. A failed run exits 1 with its c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -70,6 +71,8 @@ def _add_train(parser) -> None:
     parser.add_argument("--no-augment", dest="augment", action="store_false", default=None)
     parser.add_argument("--run-name", help="rerunning with the same name resumes it")
     parser.add_argument("--max-failures", type=int, help="worker failures to recover from (default 2)")
+    parser.add_argument("--promote-if-better", action="store_true", default=None,
+                        help="move the alias if the new version beats the champion on the newest event-time slice")
     parser.add_argument("--fail-at-epoch", type=int, help=argparse.SUPPRESS)
 
 
@@ -105,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "a sample prediction")
     demo.add_argument("--records", type=int, default=1200, help="synthetic records to publish (default 1200)")
     demo.add_argument("--epochs", type=int, default=3)
+    demo.add_argument("--rounds", type=int, default=3, help="federated rounds (default 3)")
     demo.add_argument("--http-port", type=int, default=8000)
     broker = command("broker", "run the embedded Kafka-compatible broker in the foreground")
     broker.add_argument("--port", type=int, default=9092)
@@ -126,7 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     watch_parser.add_argument("--interval-s", type=float, help="pause between micro-batches (default 5)")
     watch_parser.add_argument("--pause-file", help="while this file exists, measure lag but do not ingest")
     watch_parser.add_argument("--max-ticks", type=int, help="stop after this many micro-batches")
-    command("drift", "compare served traffic with the training snapshot; --retrain submits a job (issue #7)")
+    drift_parser = command("drift", "compare served traffic with the training snapshot; --retrain submits a job")
+    drift_parser.add_argument("--window-s", type=float, help="recent traffic window (default 3600)")
+    drift_parser.add_argument("--threshold", type=float, help="PSI above this is drift (default 0.2)")
+    drift_parser.add_argument("--min-requests", type=int, help="fewest requests for a verdict (default 30)")
+    drift_parser.add_argument("--retrain", action="store_true", default=None,
+                              help="on drift, submit ingest → train --promote-if-better as a Ray job")
+    drift_parser.add_argument("--alias", help="the served alias (default champion)")
     return parser
 
 
@@ -197,6 +207,17 @@ def run(args: argparse.Namespace) -> int:
         if args.wait_url:
             wait_for_version(args.wait_url.rstrip("/"), args.version)
             print(f"{args.wait_url} serves v{args.version}")
+        return 0
+    if args.command == "drift":
+        from app.cluster import ray_session
+        from app.drift import DriftConfig, drift
+
+        cfg = from_namespace(DriftConfig, args)
+        local = dataclasses.replace(settings, ray_address=None) if (settings.ray_address or "").startswith("http") \
+            else settings
+        with ray_session(local):
+            report = drift(settings, cfg)
+        print(report)
         return 0
     if args.command == "demo":
         from app.demo import run_demo

@@ -190,6 +190,8 @@ class TrainConfig:
     run_name: str | None = None
     """Rerunning with the same name resumes from its last checkpoint."""
     max_failures: int = 2
+    promote_if_better: bool = False
+    """Move the serving alias to the new version only if it beats the champion on the newest slice."""
     fail_at_epoch: int | None = None
     """Fault injection: rank 1 dies mid-way through this epoch on the first attempt."""
 

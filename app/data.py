@@ -25,6 +25,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
@@ -91,6 +92,13 @@ def preprocess(values: Sequence[bytes], size: int, device: str | torch.device = 
 
 def pil_to_uint8(image: Image.Image) -> torch.Tensor:
     return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy())
+
+
+def image_statistics(tensor: torch.Tensor) -> dict[str, float]:
+    """Per-channel mean and standard deviation of one transformed image [3, H, W]: the features
+    drift detection compares between training snapshots and served traffic."""
+    means, stds = tensor.mean((1, 2)).tolist(), tensor.std((1, 2)).tolist()
+    return {**{f"mean_{c}": m for c, m in zip("rgb", means)}, **{f"std_{c}": s for c, s in zip("rgb", stds)}}
 
 
 def encode_labels(labels: Iterable[str], classes: Sequence[str]) -> np.ndarray:
@@ -490,11 +498,12 @@ def write_snapshot_blocks(blocks, staging_uri: str, bootstrap_servers: str, topi
              "labels": Counter(), "late": 0, "bytes": 0, "event_min": None, "event_max": None,
              "dlq_errors": Counter(), "files": []}
     producer = None
+    failures: list[BaseException] = []
     part = 0
     try:
         for block in blocks:
             table = BlockAccessor.for_block(block).to_arrow()
-            stats["bytes"] += pa.compute.sum(table.column("value_size")).as_py() or 0
+            stats["bytes"] += pc.sum(table.column("value_size")).as_py() or 0
             errors = table.column("error").to_pylist()
             partitions = table.column("partition").to_pylist()
             offsets = table.column("offset").to_pylist()
@@ -513,9 +522,11 @@ def write_snapshot_blocks(blocks, staging_uri: str, bootstrap_servers: str, topi
                     headers += [("error", row["error"].encode()), ("source_topic", topic.encode()),
                                 ("source_partition", str(row["partition"]).encode()),
                                 ("source_offset", str(row["offset"]).encode())]
-                    producer.send(dlq_topic, key=(row["key"] or "").encode(), value=row["value"], headers=headers)
+                    future = producer.send(dlq_topic, key=(row["key"] or "").encode(), value=row["value"],
+                                           headers=headers)
+                    future.add_errback(failures.append)
                     stats["dlq_errors"][row["error"].split(":")[0]] += 1
-            good = table.filter(pa.compute.is_null(table.column("error")))
+            good = table.filter(pc.is_null(table.column("error")))
             if good.num_rows == 0:
                 continue
             good = good.drop_columns(["error", "value", "value_size"])
@@ -528,7 +539,7 @@ def write_snapshot_blocks(blocks, staging_uri: str, bootstrap_servers: str, topi
             stats["event_max"] = hi if stats["event_max"] is None else max(stats["event_max"], hi)
             good = good.append_column("event_date", pa.array(dates, pa.string()))
             for date in sorted(set(dates)):
-                subset = good.filter(pa.compute.equal(good.column("event_date"), date)).drop_columns(["event_date"])
+                subset = good.filter(pc.equal(good.column("event_date"), date)).drop_columns(["event_date"])
                 path = f"{root}/event_date={date}/part-{task_name}-{part:04d}.parquet"
                 fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
                 pq.write_table(subset, path, filesystem=fs)
@@ -539,6 +550,8 @@ def write_snapshot_blocks(blocks, staging_uri: str, bootstrap_servers: str, topi
     finally:
         if producer is not None:
             producer.close()
+    if failures:  # an unacknowledged dead letter would be a lost record: fail before anything commits
+        raise RuntimeError(f"{len(failures)} dead letters were not acknowledged by {dlq_topic}: {failures[0]}")
     stats["partitions"] = dict(stats["partitions"])
     return stats
 

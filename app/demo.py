@@ -1,14 +1,17 @@
 """`python -m app demo` (the README's `make demo`): the whole path once, on embedded defaults.
 
 Embedded broker → synthetic records → Ray Data ingest → snapshot → Ray Train (2 CPU workers,
-small CNN, 64 px) → MLflow registry → Ray Serve on 127.0.0.1 → one real HTTP prediction.
-It uses `<storage>/demo` as its own sandbox and stops everything it started.
+small CNN, 64 px) → MLflow registry → Ray Serve on 127.0.0.1 → predictions over HTTP →
+federated fine-tuning (Flower clients on Ray actors) → a rollout to the federated version under
+steady traffic, counting failed requests. It uses `<storage>/demo` as its own sandbox and stops
+everything it started.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import shutil
+import threading
 import time
 
 import numpy as np
@@ -34,6 +37,7 @@ def run_demo(settings: Settings, args) -> int:
 
     from app import synth
     from app.data import ingest, produce
+    from app.fl import FederateConfig, federate
     from app.serve import deploy, wait_for_version
     from app.train import train
 
@@ -62,7 +66,9 @@ def run_demo(settings: Settings, args) -> int:
         print(produce(settings, ProduceConfig(synthetic=args.records, seed=7), bootstrap))
         timings["produce"] = time.perf_counter() - t
 
-        with ray_session(settings):
+        with ray_session(settings, dashboard=True) as dashboard_url:
+            if dashboard_url:
+                print(f"Ray dashboard: {dashboard_url}")
             t = _step("ingesting with Ray Data: Kafka → preprocess → Parquet snapshot")
             print(ingest(settings, IngestConfig(), bootstrap))
             timings["ingest"] = time.perf_counter() - t
@@ -89,6 +95,20 @@ def run_demo(settings: Settings, args) -> int:
             print("   top scores: " + ", ".join(f"{names[i]} {body['scores'][names[i]]:.2f}" for i in top))
             timings["serve"] = time.perf_counter() - t
             assert version == body["model_version"]
+
+            t = _step("federated fine-tuning: Flower clients as Ray actors, users as clients, FedAvg")
+            federated = federate(settings, FederateConfig(rounds=args.rounds, clients=8, clients_per_round=4,
+                                                          init_from="champion", seed=7))
+            print(federated)
+            timings["federate"] = time.perf_counter() - t
+
+            t = _step(f"rolling out v{federated.version} under steady traffic")
+            answers = _rollout_under_traffic(settings, url, sample.value, federated.version)
+            failed = sum(1 for status, _ in answers if status != 200)
+            served = [v for _, v in answers]
+            print(f"{len(answers)} requests during the rollout, {failed} failed; versions served in order: "
+                  f"{' → '.join(dict.fromkeys(served))}")
+            timings["rollout"] = time.perf_counter() - t
             from ray import serve
 
             serve.shutdown()
@@ -97,6 +117,38 @@ def run_demo(settings: Settings, args) -> int:
             broker.stop()
     total = time.perf_counter() - started
     print("\n== done in {:.0f}s ({})".format(total, ", ".join(f"{k} {v:.0f}s" for k, v in timings.items())))
-    print(f"snapshots and checkpoints: {settings.local_storage_path}; MLflow UI: "
-          f"mlflow ui --backend-store-uri {settings.tracking_uri}")
+    print(f"snapshots and checkpoints: {settings.local_storage_path}")
+    print(f"training curves: MLflow UI, `mlflow ui --backend-store-uri {settings.tracking_uri}` "
+          "(each run's curves.png artifact)")
     return 0
+
+
+def _rollout_under_traffic(settings: Settings, url: str, image: bytes, version: str) -> list[tuple[int, str]]:
+    """Promote `version` while a client posts predictions back to back; return every answer."""
+    import requests
+
+    from app import registry
+    from app.serve import wait_for_version
+
+    answers: list[tuple[int, str]] = []
+    stop = threading.Event()
+
+    def traffic():
+        while not stop.is_set():
+            try:
+                response = requests.post(f"{url}/predict", data=image, headers={"Content-Type": "image/png"},
+                                         timeout=30)
+                answers.append((response.status_code, response.json().get("model_version", "?")))
+            except requests.RequestException as exc:
+                answers.append((0, type(exc).__name__))
+
+    client = threading.Thread(target=traffic, daemon=True)
+    client.start()
+    time.sleep(1.0)
+    registry.promote(settings.tracking_uri, settings.model_name, version)
+    print(f"{settings.model_name}@champion → v{version}")
+    wait_for_version(url, version)
+    time.sleep(1.0)
+    stop.set()
+    client.join()
+    return answers

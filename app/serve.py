@@ -13,9 +13,11 @@ No `from __future__ import annotations` here: FastAPI must resolve the route ann
 """
 
 import asyncio
+import json
 import logging
 import threading
 import time
+from pathlib import Path
 
 import torch
 from fastapi import FastAPI, Request
@@ -26,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import metrics, registry
 from app.config import DEFAULT_MODEL_NAME
-from app.data import BadImage, decode_image, normalize, pil_to_uint8
+from app.data import BadImage, decode_image, image_statistics, normalize, pil_to_uint8
 
 log = logging.getLogger(__name__)
 
@@ -109,14 +111,33 @@ def infer(items: list[tuple[torch.Tensor, registry.LoadedModel]]) -> list[dict]:
     return results
 
 
+class TrafficLog:
+    """What each replica saw: time, version, predicted label and per-channel statistics of the
+    transformed image, one JSON line per request, for `python -m app drift`."""
+
+    def __init__(self, directory: str):
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        self._file = open(path / f"{serve.get_replica_context().replica_id.unique_id}.jsonl", "a", buffering=1)
+        self._lock = threading.Lock()
+
+    def record(self, tensor: torch.Tensor, answer: dict) -> None:
+        row = {"time": time.time(), "model_version": answer["model_version"], "label": answer["label"],
+               **image_statistics(tensor)}
+        with self._lock:
+            self._file.write(json.dumps(row) + "\n")
+
+
 @serve.deployment(name=DEPLOYMENT, ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64,
                   health_check_period_s=5)
 @serve.ingress(api)
 class ArgusModel:
     def __init__(self, mlflow_uri: str, model_name: str = DEFAULT_MODEL_NAME, alias: str = "champion",
                  max_batch_size: int = 16, batch_wait_timeout_s: float = 0.01,
-                 max_body_bytes: int = 10 * 1024 * 1024, poll_s: float = 2.0, threads: int = 1):
+                 max_body_bytes: int = 10 * 1024 * 1024, poll_s: float = 2.0, threads: int = 1,
+                 traffic_dir: str | None = None):
         torch.set_num_threads(threads)
+        self.traffic = TrafficLog(traffic_dir) if traffic_dir else None
         self.mlflow_uri, self.model_name, self.alias = mlflow_uri, model_name, alias
         self.max_body_bytes = max_body_bytes
         self.current: registry.LoadedModel | None = None
@@ -185,11 +206,18 @@ class ArgusModel:
         except BadImage as exc:
             return _error(400, str(exc))
         tensor = normalize([pil_to_uint8(image)], current.card.image_size)[0]
-        return JSONResponse(await self.predict_batch((tensor, current)))
+        answer = await self.predict_batch((tensor, current))
+        if self.traffic:
+            self.traffic.record(tensor, answer)
+        return JSONResponse(answer)
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
     async def predict_batch(self, items: list[tuple[torch.Tensor, registry.LoadedModel]]) -> list[dict]:
         return infer(items)
+
+
+def traffic_dir(settings) -> str | None:
+    return settings.uri("traffic") if settings.is_local_storage else None
 
 
 def build_app(args: dict) -> serve.Application:
@@ -199,7 +227,7 @@ def build_app(args: dict) -> serve.Application:
     kwargs = {"mlflow_uri": options["mlflow_uri"], "model_name": options.get("model_name", DEFAULT_MODEL_NAME),
               "alias": options.get("alias", "champion")}
     for key, cast in (("max_batch_size", int), ("batch_wait_timeout_s", float), ("max_body_bytes", int),
-                      ("poll_s", float), ("threads", int)):
+                      ("poll_s", float), ("threads", int), ("traffic_dir", str)):
         if key in options:
             kwargs[key] = cast(options[key])
     return ArgusModel.options(num_replicas=replicas).bind(**kwargs)
@@ -211,7 +239,7 @@ def deploy(settings, cfg, *, blocking: bool) -> str:
     app = build_app({"mlflow_uri": settings.tracking_uri, "model_name": settings.model_name, "alias": cfg.alias,
                      "num_replicas": cfg.replicas, "max_batch_size": cfg.max_batch_size,
                      "batch_wait_timeout_s": cfg.batch_wait_timeout_s, "max_body_bytes": cfg.max_body_bytes,
-                     "poll_s": cfg.poll_s})
+                     "poll_s": cfg.poll_s, "traffic_dir": traffic_dir(settings)})
     serve.run(app, name=APPLICATION, route_prefix="/", blocking=False)
     url = f"http://{cfg.http_host}:{cfg.http_port}"
     log.info("serving %s@%s on %s", settings.model_name, cfg.alias, url)

@@ -306,7 +306,31 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
                                        "train_loss": best_metrics["train_loss"], "epoch": best_metrics["epoch"]})
     run_id = _log_run(settings, cfg, run_name, history, best_metrics, classes, loop_config)
     version = registry.register(settings.tracking_uri, settings.model_name, run_id, net, card)
+    if cfg.promote_if_better:
+        promote_if_better(settings, version, best_metrics["val_accuracy"], val_ds, card)
     return TrainReport(version, run_id, best_metrics, len(history), classes, history[-1]["checksum"])
+
+
+def promote_if_better(settings: Settings, version: str, accuracy: float, val_ds, card) -> bool:
+    """Move the alias to `version` if it beats the champion on the same newest event-time slice."""
+    from app import registry
+
+    champion = registry.resolve(settings.tracking_uri, settings.model_name, "champion")
+    if champion is not None and champion != version:
+        current = registry.load(settings.tracking_uri, settings.model_name, champion)
+        if (current.card.classes, current.card.image_size, current.card.features) != \
+                (card.classes, card.image_size, card.features):
+            log.warning("champion v%s has other classes, image size or inputs: not comparable; alias kept", champion)
+            return False
+        column = "features" if card.features else "image"
+        batches = ((b[column], b["label_index"]) for b in val_ds.iter_torch_batches(batch_size=128))
+        champion_accuracy = core.evaluate(current.model, batches, len(card.classes), device=torch.device("cpu"))["accuracy"]
+        log.info("newest slice: v%s %.3f vs champion v%s %.3f", version, accuracy, champion, champion_accuracy)
+        if accuracy <= champion_accuracy:
+            return False
+    registry.promote(settings.tracking_uri, settings.model_name, version)
+    log.info("promoted v%s to champion", version)
+    return True
 
 
 def _load_checkpoint(checkpoint) -> dict:

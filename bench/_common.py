@@ -25,6 +25,8 @@ if str(ROOT) not in sys.path:
 # wait for its ports, and the node then dies during start-up; benchmarks wait longer (this
 # process and every child inherit it).
 os.environ.setdefault("RAY_agent_register_timeout_ms", "180000")
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # silences a FutureWarning; no GPUs here
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
 # ---------------------------------------------------------------- services

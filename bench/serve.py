@@ -14,9 +14,9 @@ answer `POST /predict` with PNG bodies (64 distinct synthetic screenshots, cycle
 A closed loop of `--concurrency` aiohttp clients sends `--requests` requests per run after a
 warm-up; runs alternate between the endpoints, `--repeats` rounds, medians. Goals: batching on
 vs off ≥ 2× throughput; Serve p50 ≤ 1.3× the plain process's p50 (throughput ratio printed too).
-"""
-from __future__ import annotations
 
+No `from __future__ import annotations`: FastAPI resolves the plain server's route annotations.
+"""
 import argparse
 import asyncio
 import os

@@ -87,6 +87,34 @@ def test_healthz_model_and_docs(trained, endpoint):
     assert requests.get(f"{endpoint}/docs", timeout=10).status_code == 200
 
 
+def test_drift_is_found_in_shifted_traffic_only(trained, endpoint):
+    from app.drift import DriftConfig, drift
+
+    settings, _, _, _ = trained
+
+    def send(records, transform=lambda value: value):
+        started = time.time()
+        for record in records:
+            answer = requests.post(f"{endpoint}/predict", data=transform(record.value),
+                                   headers={"Content-Type": "image/png"}, timeout=30)
+            assert answer.status_code == 200
+        return time.time() - started + 1
+
+    usual = send(synth.generate(150, seed=21, size=32))
+    calm = drift(settings, DriftConfig(window_s=usual, min_requests=100))
+    assert not calm.drifted and calm.requests == 150, calm
+
+    def washed_out(value: bytes) -> bytes:  # a new screen theme: far brighter, lower contrast
+        image = Image.open(io.BytesIO(value)).convert("RGB").point(lambda v: 170 + v // 3)
+        out = io.BytesIO()
+        image.save(out, format="PNG")
+        return out.getvalue()
+
+    shifted = send(synth.generate(150, seed=22, size=32), washed_out)
+    storm = drift(settings, DriftConfig(window_s=shifted, min_requests=100))
+    assert storm.drifted and storm.psi["mean_r"] > 1.0, storm
+
+
 def test_promote_switches_versions_with_no_failed_request(trained, endpoint):
     settings, _, _, report = trained
     current = registry.load(settings.tracking_uri, settings.model_name, report.version)
