@@ -76,6 +76,28 @@ def _add_train(parser) -> None:
     parser.add_argument("--fail-at-epoch", type=int, help=argparse.SUPPRESS)
 
 
+def _add_federate(parser) -> None:
+    parser.add_argument("--rounds", type=int, help="federated rounds (default 5)")
+    parser.add_argument("--clients", type=int, help="simulated clients, each a group of users (default 10)")
+    parser.add_argument("--clients-per-round", type=int, help="clients sampled per round (default 5)")
+    parser.add_argument("--local-epochs", type=int, help="client epochs per round (default 1)")
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--lr", type=float, help="client SGD learning rate (default 0.05)")
+    parser.add_argument("--strategy", help="fedavg, fedprox, fedmedian, fedtrimmedavg or krum (default fedavg)")
+    parser.add_argument("--mu", type=float, help="FedProx proximal weight (default 0.01)")
+    parser.add_argument("--dp-clip", type=float, help="clip each update to this L2 norm (enables DP)")
+    parser.add_argument("--dp-noise", type=float, help="Gaussian noise multiplier on the aggregate (needs --dp-clip)")
+    parser.add_argument("--dp-delta", type=float, help="delta at which epsilon is reported (default 1e-5)")
+    parser.add_argument("--update-dtype", help="fp16 (default) or fp32 updates on the wire")
+    parser.add_argument("--min-clients", type=int, help="fewest valid updates that make a round")
+    parser.add_argument("--round-timeout-s", type=float, help="drop clients slower than this (default 600)")
+    parser.add_argument("--init-from", help="start from the model behind this alias, e.g. champion")
+    parser.add_argument("--snapshots", help="comma-separated snapshot ids (default: all)")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--run-name", help="rerunning with the same name resumes after its last round")
+    parser.add_argument("--num-cpus-per-client", type=float, help="logical CPUs per client actor (default 0.5)")
+
+
 def _add_serve(parser) -> None:
     parser.add_argument("--http-host", help="default 127.0.0.1")
     parser.add_argument("--http-port", type=int, help="default 8000")
@@ -116,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     command("ingest", "Kafka → Ray Data preprocessing → a new snapshot (offsets committed after it is durable)",
             _add_ingest)
     command("train", "Ray Train on snapshots → checkpoints → a new registered model version", _add_train)
-    command("federate", "federated rounds with clients as Ray actors → a new registered version (issue #5)")
+    command("federate", "federated rounds with clients as Ray actors → a new registered version", _add_federate)
     serve_parser = command("serve", "deploy the Ray Serve application on the model alias", _add_serve)
     serve_parser.add_argument("--detach", action="store_true", default=None,
                               help="deploy onto the running cluster (--ray-address) and return")
@@ -133,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     drift_parser = command("drift", "compare served traffic with the training snapshot; --retrain submits a job")
     drift_parser.add_argument("--window-s", type=float, help="recent traffic window (default 3600)")
     drift_parser.add_argument("--threshold", type=float, help="PSI above this is drift (default 0.2)")
+    drift_parser.add_argument("--label-threshold", type=float, help="predicted-class PSI threshold (default 0.5)")
     drift_parser.add_argument("--min-requests", type=int, help="fewest requests for a verdict (default 30)")
     drift_parser.add_argument("--retrain", action="store_true", default=None,
                               help="on drift, submit ingest → train --promote-if-better as a Ray job")
@@ -195,6 +218,12 @@ def run(args: argparse.Namespace) -> int:
             report = train(settings, cfg)
         print(f"registered {settings.model_name} v{report.version} (run {report.run_id}): "
               f"val_accuracy {report.metrics['val_accuracy']:.3f} after {report.epochs} epochs")
+        return 0
+    if args.command == "federate":
+        from app.fl import FederateConfig, federate
+
+        snapshots = tuple(s for s in (args.snapshots or "").split(",") if s) or None
+        print(federate(settings, from_namespace(FederateConfig, args, snapshots=snapshots)))
         return 0
     if args.command == "serve":
         return _serve(settings, from_namespace(ServeConfig, args))

@@ -35,15 +35,18 @@ class DriftConfig:
     window_s: float = 3600.0
     """Served traffic of the last this many seconds is compared."""
     threshold: float = 0.2
-    """PSI above this is drift (0.1–0.2 is commonly read as moderate, above 0.2 as significant)."""
+    """Image-statistic PSI above this is drift (0.1–0.2 is read as moderate, above 0.2 as significant)."""
+    label_threshold: float = 0.5
+    """Predicted-class PSI above this is drift: class mixes move with the user population, so only
+    a large shift counts."""
     min_requests: int = 30
     """Fewer recent requests than this: no verdict."""
     retrain: bool = False
     alias: str = "champion"
 
     def __post_init__(self) -> None:
-        if self.window_s <= 0 or self.threshold <= 0 or self.min_requests < 1:
-            raise ConfigError("--window-s and --threshold must be > 0, --min-requests >= 1")
+        if self.window_s <= 0 or self.threshold <= 0 or self.label_threshold <= 0 or self.min_requests < 1:
+            raise ConfigError("--window-s, --threshold and --label-threshold must be > 0, --min-requests >= 1")
 
 
 @dataclass
@@ -51,19 +54,19 @@ class DriftReport:
     version: str
     requests: int
     psi: dict[str, float]
-    threshold: float
+    thresholds: dict[str, float]
     job_id: str | None = None
 
     @property
     def drifted(self) -> bool:
-        return any(value > self.threshold for value in self.psi.values())
+        return any(value > self.thresholds[name] for name, value in self.psi.items())
 
     def __str__(self) -> str:
-        rows = "\n".join(f"  {name:<14} PSI {value:6.3f}{'  DRIFT' if value > self.threshold else ''}"
+        rows = "\n".join(f"  {name:<16} PSI {value:6.3f}{'  DRIFT' if value > self.thresholds[name] else ''}"
                          for name, value in self.psi.items())
         verdict = "drift detected" if self.drifted else "no drift"
         job = f"; retraining job {self.job_id} submitted" if self.job_id else ""
-        return f"v{self.version} vs {self.requests} recent requests: {verdict} (threshold {self.threshold}){job}\n{rows}"
+        return f"v{self.version} vs {self.requests} recent requests: {verdict}{job}\n{rows}"
 
 
 def psi(reference: np.ndarray, current: np.ndarray, bins: int = 10) -> float:
@@ -139,7 +142,8 @@ def drift(settings: Settings, cfg: DriftConfig) -> DriftReport:
     scores["predicted_label"] = categorical_psi(label_shares, served)
     for name, value in scores.items():
         metrics.set_gauge("argus_drift_psi", value, feature=name)
-    report = DriftReport(version, len(traffic), scores, cfg.threshold)
+    thresholds = {name: cfg.threshold for name in STATISTICS} | {"predicted_label": cfg.label_threshold}
+    report = DriftReport(version, len(traffic), scores, thresholds)
     if report.drifted and cfg.retrain:
         report.job_id = submit_retraining(settings, card)
     return report

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import threading
 import time
 
@@ -100,9 +101,10 @@ def test_drift_is_found_in_shifted_traffic_only(trained, endpoint):
             assert answer.status_code == 200
         return time.time() - started + 1
 
-    usual = send(synth.generate(150, seed=21, size=32))
-    calm = drift(settings, DriftConfig(window_s=usual, min_requests=100))
-    assert not calm.drifted and calm.requests == 150, calm
+    # The users the model was trained on (the `trained` fixture's seed), sending new screens.
+    usual = send(itertools.islice(synth.generate(780, seed=5, size=32), 480, None))
+    calm = drift(settings, DriftConfig(window_s=usual, min_requests=200))
+    assert not calm.drifted and calm.requests == 300, calm
 
     def washed_out(value: bytes) -> bytes:  # a new screen theme: far brighter, lower contrast
         image = Image.open(io.BytesIO(value)).convert("RGB").point(lambda v: 170 + v // 3)
@@ -110,7 +112,7 @@ def test_drift_is_found_in_shifted_traffic_only(trained, endpoint):
         image.save(out, format="PNG")
         return out.getvalue()
 
-    shifted = send(synth.generate(150, seed=22, size=32), washed_out)
+    shifted = send(itertools.islice(synth.generate(930, seed=5, size=32), 780, None), washed_out)
     storm = drift(settings, DriftConfig(window_s=shifted, min_requests=100))
     assert storm.drifted and storm.psi["mean_r"] > 1.0, storm
 
