@@ -310,7 +310,7 @@ def _batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, generator: torch
 
 
 def local_train(model: nn.Module, data: ClientData, *, epochs: int, batch_size: int, lr: float, mu: float,
-                seed: int, augment: bool, batches_hook=None) -> dict:
+                seed: int, augment: bool, batches_hook=None, device: torch.device = torch.device("cpu")) -> dict:
     """`epochs` passes of SGD over the client's training rows, through the shared `train_epoch`."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
@@ -322,13 +322,13 @@ def local_train(model: nn.Module, data: ClientData, *, epochs: int, batch_size: 
     for _ in range(epochs):
         batches = _batches(data.train_x, data.train_y, batch_size, generator, augment)
         stats = core.train_epoch(model, batches_hook(batches) if batches_hook else batches, optimizer, loss_fn,
-                                 device=torch.device("cpu"))
+                                 device=device)
     return stats
 
 
-def local_evaluate(model: nn.Module, data: ClientData, num_classes: int, batch_size: int = 256) -> dict:
-    return core.evaluate(model, _batches(data.val_x, data.val_y, batch_size, None, False), num_classes,
-                         device=torch.device("cpu"))
+def local_evaluate(model: nn.Module, data: ClientData, num_classes: int, batch_size: int = 256,
+                   device: torch.device = torch.device("cpu")) -> dict:
+    return core.evaluate(model, _batches(data.val_x, data.val_y, batch_size, None, False), num_classes, device=device)
 
 
 def exchanged_keys(model: nn.Module) -> list[str]:
@@ -353,7 +353,7 @@ def load_arrays(model: nn.Module, arrays: ArrayRecord) -> dict[str, torch.Tensor
 
 def encode_update(model: nn.Module, origin: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
     state = model.state_dict()
-    return {k: (state[k].detach().float() - g).to(UPDATE_DTYPES[dtype]) for k, g in origin.items()}
+    return {k: (state[k].detach().float().cpu() - g).to(UPDATE_DTYPES[dtype]) for k, g in origin.items()}
 
 
 # ---------------------------------------------------------------- the Flower ClientApp
@@ -379,9 +379,13 @@ def _client_state(message: Message, context: Context) -> tuple[int, ConfigRecord
         while len(_DATA) > _DATA_CACHE_SIZE:
             _DATA.popitem(last=False)
     model_key = (str(config["arch"]), len(config["classes"]))
-    if model_key not in _MODELS:
-        _MODELS[model_key] = core.build_model(model_key[0], model_key[1])
+    if model_key not in _MODELS:  # on the actor's GPU when Ray gave it one (--num-gpus-per-client)
+        _MODELS[model_key] = core.build_model(model_key[0], model_key[1]).to(_device())
     return partition, config, _MODELS[model_key], _DATA[key]
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _fault(config: ConfigRecord, partition: int) -> str | None:
@@ -409,7 +413,8 @@ def client_train(message: Message, context: Context) -> Message:
     seed = int(config["seed"]) * 1_000_003 + int(config["server-round"]) * 7919 + partition
     stats = local_train(model, data, epochs=int(config["local-epochs"]), batch_size=int(config["batch-size"]),
                         lr=float(config["lr"]), mu=float(config.get("proximal-mu", 0.0)), seed=seed,
-                        augment=bool(config["augment"]), batches_hook=_crash_after_first if fault == "crash" else None)
+                        augment=bool(config["augment"]), batches_hook=_crash_after_first if fault == "crash" else None,
+                        device=_device())
     update = encode_update(model, origin, str(config["update-dtype"]))
     if fault == "nan":
         update = {k: torch.full_like(v, float("nan")) for k, v in update.items()}
@@ -426,7 +431,7 @@ def client_evaluate(message: Message, context: Context) -> Message:
     load_arrays(model, message.content["arrays"])
     result = {"loss": 0.0, "accuracy": 0.0}
     if len(data.val_y):
-        result = local_evaluate(model, data, len(config["classes"]))
+        result = local_evaluate(model, data, len(config["classes"]), device=_device())
     metrics = MetricRecord({"num-examples": len(data.val_y), "val_loss": float(result["loss"]),
                             "val_accuracy": float(result["accuracy"])})
     return Message(RecordDict({"metrics": metrics}), reply_to=message)
@@ -457,15 +462,17 @@ def _error_reply(message: Message, code: int, reason: str) -> Message:
 
 
 def reply_schema(message: Message) -> str:
-    """What a reply carried, without values: its type, arrays' keys/dtypes/shapes, record keys."""
+    """What a reply carried, without values: its type, arrays' keys/dtypes/shapes, records' keys/types."""
     content = message.content
-    return json.dumps({
-        "type": message.metadata.message_type,
-        "arrays": {name: {k: [a.dtype, list(a.shape)] for k, a in record.items()}
-                   for name, record in content.array_records.items()},
-        "metrics": {name: sorted(record) for name, record in content.metric_records.items()},
-        "configs": {name: sorted(record) for name, record in content.config_records.items()},
-    }, sort_keys=True)
+
+    def kinds(records):
+        return {name: {k: type(v).__name__ for k, v in record.items()} for name, record in records.items()}
+
+    return json.dumps({"type": message.metadata.message_type,
+                       "arrays": {name: {k: [a.dtype, list(a.shape)] for k, a in record.items()}
+                                  for name, record in content.array_records.items()},
+                       "metrics": kinds(content.metric_records), "configs": kinds(content.config_records)},
+                      sort_keys=True)
 
 
 def _array_bytes(content: RecordDict) -> int:
@@ -614,9 +621,11 @@ class RayGrid(Grid):
 
 
 def pool_size(cfg: FederateConfig) -> int:
-    """Client actors that fit in the cluster's *free* CPUs now, at most one per sampled client."""
-    free = ray.available_resources().get("CPU", 0.0)
-    fit = int(free / cfg.num_cpus_per_client + 1e-9)
+    """Client actors that fit in the cluster's *free* CPUs (and GPUs) now, at most one per sampled client."""
+    free = ray.available_resources()
+    fit = int(free.get("CPU", 0.0) / cfg.num_cpus_per_client + 1e-9)
+    if cfg.num_gpus_per_client > 0:
+        fit = min(fit, int(free.get("GPU", 0.0) / cfg.num_gpus_per_client + 1e-9))
     return max(1, min(cfg.clients_per_round, cfg.max_actors or cfg.clients_per_round, fit))
 
 
@@ -703,7 +712,8 @@ class GuardedStrategy(flwr_strategy.Strategy):
 
     def _reject(self, server_round: int, reply: Message, kind: str, why: str) -> None:
         self.last["rejected"][kind] = self.last["rejected"].get(kind, 0) + 1
-        log.warning("round %d: update from node %d rejected (%s): %s", server_round, reply.metadata.src_node_id, kind, why)
+        log.warning("round %d: update from node %d rejected (%s): %s", server_round, reply.metadata.src_node_id,
+                    kind, why)
 
     def aggregate_evaluate(self, server_round, replies):
         valid = [r for r in replies if not r.has_error() and r.content.metric_records

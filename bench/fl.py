@@ -1,41 +1,43 @@
-"""Federated rounds on Ray actors vs a plain sequential FedAvg loop; memory with 100 vs 1,000 clients.
+"""Federated learning benchmarks (issue #5): Flower on Ray actors vs a plain loop; memory vs clients.
 
-    python bench/fl.py                       # writes a synthetic snapshot once under /tmp/argus-bench-fl
+    .venv/bin/python bench/fl.py                  # a few minutes on 2 cores; the snapshot is made once
+    .venv/bin/python bench/fl.py --repeats 3 --rounds 4 --skip-memory
 
-1. Round wall time. The same snapshot, clients, local training (`app.fl.local_train`) and
-   evaluation, driven two ways: `federate` (Flower ServerApp and strategy, ClientApp in Ray actors,
-   fp16 updates, guard, checkpoints) and a loop in this process with no Ray and no Flower that trains
-   each client in turn and takes the example-weighted mean. Steady-state rounds (after the first,
-   which pays for actor start-up and data loading on both sides) are compared; goal ≤ 1.2×.
-2. Memory. `federate` with 100 and then 1,000 clients (10 sampled per round), each in a fresh
-   process: peak RSS of the driver and of its whole process tree (Ray's GCS, raylet, actors). The
-   actor pool and each actor's data cache are bounded, so 10× the clients should not cost 10×.
+A synthetic snapshot (5,000 records of 1,400 users at 32 px, laid out as ingest writes one) is
+written once under /tmp/argus-bench-fl.
+1. Round wall time. `federate` (Flower ServerApp + FedAvg behind the guard, the ClientApp in Ray
+   actors of 1 CPU, fp16 updates, per-round checkpoints) against a plain loop in this process, no
+   Ray and no Flower, that trains the same clients in turn with the same `app.fl.local_train`,
+   takes the example-weighted mean and evaluates with `app.fl.local_evaluate`. Every client trains
+   and evaluates every round on both sides. The first round pays for actor start-up and data
+   loading, so steady rounds are compared: the fastest of rounds 2.. of a run (a noisy neighbour can
+   only slow a round down), then the median over alternating runs. Goal ≤ 1.2×.
+2. Memory. `federate` with 100 and with 1,000 clients (10 sampled for training and 10 for
+   evaluation per round), each in a fresh process whose whole tree (driver, GCS, raylet, actors) is
+   sampled for PSS. The actor pool and each actor's data cache are bounded; goal: 10× the clients
+   costs under 1.5× the memory (linear would be 10×).
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
-import os
-import resource
-import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import _common as common
+from _common import ROOT, alternate, goal_line, median_of, print_table
 
-STORAGE = "/tmp/argus-bench-fl"
-TOPIC = "bench-fl"
-SNAPSHOT = "snap-bench-fl"
-SIZE = 32
+STORAGE = Path("/tmp/argus-bench-fl")
+TOPIC, SNAPSHOT, SIZE = "bench-fl", "snap-bench-fl", 32
+TIME_GOAL, MEMORY_GOAL = 1.2, 1.5
 
 
 def make_snapshot(records: int, users: int) -> None:
-    """A snapshot laid out as ingest writes one (Parquet + manifest), straight from the generator."""
+    """A snapshot as ingest lays one out (Parquet + manifest), straight from the generator."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -44,14 +46,15 @@ def make_snapshot(records: int, users: int) -> None:
     from app.data import preprocess
     from app.synth import generate
 
-    root = Path(STORAGE, "snapshots", SNAPSHOT)
+    root = STORAGE / "snapshots" / SNAPSHOT
     if (root / "_manifest.json").exists():
         return
     started = time.perf_counter()
     rows = list(generate(records, seed=7, users=users, size=SIZE))
     images = np.concatenate([preprocess([r.value for r in rows[i:i + 256]], SIZE).numpy()
                              for i in range(0, len(rows), 256)])
-    table = pa.table({"partition": pa.array([0] * len(rows), pa.int32()), "offset": pa.array(range(len(rows)), pa.int64()),
+    table = pa.table({"partition": pa.array([0] * len(rows), pa.int32()),
+                      "offset": pa.array(range(len(rows)), pa.int64()),
                       "key": [r.user_id for r in rows], "label": [r.label for r in rows],
                       "event_time": pa.array([r.event_time_ms for r in rows], pa.int64()),
                       "image": ArrowTensorArray.from_numpy(images)})
@@ -62,50 +65,48 @@ def make_snapshot(records: int, users: int) -> None:
                 "classes": labels, "label_counts": {c: sum(r.label == c for r in rows) for c in labels},
                 "files": ["event_date=bench/part-0.parquet"], "offsets": {"0": {"start": 0, "end": len(rows)}}}
     (root / "_manifest.json").write_text(json.dumps(manifest))
-    print(f"snapshot: {len(rows)} records, {len({r.user_id for r in rows})} users, {time.perf_counter() - started:.0f}s")
+    print(f"  snapshot: {len(rows)} records of {len({r.user_id for r in rows})} users in "
+          f"{time.perf_counter() - started:.0f}s", flush=True)
 
 
 def settings():
     from app.config import Settings
 
-    return Settings(storage=STORAGE, topic=TOPIC, image_size=SIZE, model="cnn")
+    return Settings(storage=str(STORAGE), topic=TOPIC, image_size=SIZE, model="cnn")
 
 
-def sequential_fedavg(cfg, rounds: int) -> list[float]:
-    """The baseline: one process, each client trained in turn, then the example-weighted mean."""
+def sequential_fedavg(cfg) -> list[float]:
+    """The baseline: each client trained in turn in this process, then the example-weighted mean."""
     import torch
 
     from app import fl
     from app import model as core
     from app.data import snapshot_uri
 
-    classes = tuple(json.loads(Path(STORAGE, "snapshots", SNAPSHOT, "_manifest.json").read_text())["classes"])
+    classes = tuple(json.loads((STORAGE / "snapshots" / SNAPSHOT / "_manifest.json").read_text())["classes"])
     uris = (snapshot_uri(settings(), SNAPSHOT),)
     torch.manual_seed(cfg.seed)
     global_model = core.build_model("cnn", len(classes))
-    keys = fl.exchanged_keys(global_model)
-    local = copy.deepcopy(global_model)
-    datasets = {}  # loaded once, as the actors' caches do
+    local, keys, datasets = copy.deepcopy(global_model), fl.exchanged_keys(global_model), {}
 
-    def data_of(client):
+    def data_of(client):  # loaded once, as an actor's cache does
         if client not in datasets:
             datasets[client] = fl.load_client_data(uris, client, cfg.clients, cfg.seed, classes, cfg.val_fraction)
         return datasets[client]
 
     seconds = []
-    for server_round in range(1, rounds + 1):
+    for server_round in range(1, cfg.rounds + 1):
         started = time.perf_counter()
         origin = {k: v.detach().clone() for k, v in global_model.state_dict().items() if k in keys}
         total, summed = 0, {k: torch.zeros_like(v) for k, v in origin.items()}
         for client in range(cfg.clients):
-            data = data_of(client)
             local.load_state_dict(origin, strict=False)
-            fl.local_train(local, data, epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, mu=0.0,
-                           seed=server_round * 1000 + client, augment=cfg.augment)
-            n = len(data.train_y)
-            for k, v in local.state_dict().items():
-                if k in summed:
-                    summed[k] += n * (v.float() - origin[k])
+            fl.local_train(local, data_of(client), epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr,
+                           mu=0.0, seed=server_round * 1000 + client, augment=cfg.augment)
+            n = len(data_of(client).train_y)
+            state = local.state_dict()
+            for k in keys:
+                summed[k] += n * (state[k].float() - origin[k])
             total += n
         global_model.load_state_dict({k: origin[k] + summed[k] / total for k in keys}, strict=False)
         for client in range(cfg.clients):
@@ -114,103 +115,89 @@ def sequential_fedavg(cfg, rounds: int) -> list[float]:
     return seconds
 
 
-def _tree_rss_mb(root: int) -> float:
-    """RSS of `root` and all its descendants, from /proc."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    tree, frontier = {root}, [root]
-    while frontier:
-        children = [p for p, parent in parents.items() if parent in frontier and p not in tree]
-        tree.update(children)
-        frontier = children
-    total = 0
-    for pid in tree:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total / 1024
+def _summary(seconds: list[float]) -> dict:
+    """First round, and the fastest later one: a neighbour's burst can only slow a round down."""
+    return {"first_s": seconds[0], "steady_s": min(seconds[1:])}
 
 
 def memory_child(clients: int) -> None:
-    """One `federate` run in this fresh process; prints peak memory as JSON."""
+    """`--memory-child N`: one federate run with N clients in this fresh process; prints JSON."""
     from app.fl import FederateConfig, federate
 
-    peak = [0.0]
-    stop = threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], _tree_rss_mb(os.getpid()))
-            stop.wait(0.5)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    cfg = FederateConfig(rounds=2, clients=clients, clients_per_round=10, evaluate_clients=10, local_epochs=1,
-                         augment=False, num_cpus_per_client=0.5, run_name=f"bench-memory-{clients}-{time.time_ns()}")
-    report = federate(settings(), cfg)
-    stop.set()
-    sampler.join()
-    print(json.dumps({"clients": clients, "driver_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "tree_peak_mb": peak[0], "actors": report.num_actors,
-                      "round_seconds": [round(r["round_seconds"], 2) for r in report.history]}))
+    with common.local_ray(num_cpus=2):
+        cfg = FederateConfig(rounds=2, clients=clients, clients_per_round=10, evaluate_clients=10, local_epochs=1,
+                             augment=False, run_name=f"bench-memory-{clients}-{time.time_ns()}")
+        report = federate(settings(), cfg)
+    print(json.dumps({"actors": report.num_actors, "round_s": [r["round_seconds"] for r in report.history]}))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def measure_memory(clients: int) -> dict:
+    child = subprocess.Popen([sys.executable, __file__, "--memory-child", str(clients)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with common.TreeMemorySampler(child.pid, interval_s=0.5) as sampler:
+        out, err = child.communicate()
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if child.returncode or not lines:
+        sys.exit(f"the run with {clients} clients failed:\n{err[-3000:]}")
+    result = json.loads(lines[-1])
+    return {"clients": clients, "pss_mb": sampler.peak_pss / 2**20, "rss_mb": sampler.peak_rss / 2**20,
+            "processes": sampler.peak_processes, "actors": result["actors"],
+            "steady_round_s": result["round_s"][-1]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", type=int, default=5000)
     parser.add_argument("--users", type=int, default=1400)
+    parser.add_argument("--clients", type=int, default=8, help="clients in the timing runs (all train each round)")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
-        return memory_child(args.memory_child)
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    make_snapshot(args.records, args.users)
+        memory_child(args.memory_child)
+        return 0
 
+    print(f"bench/fl.py · {common.machine_line()}")
+    make_snapshot(args.records, args.users)
     from app.fl import FederateConfig, federate
 
     cfg = FederateConfig(rounds=args.rounds, clients=args.clients, clients_per_round=args.clients, local_epochs=1,
-                         batch_size=32, augment=False, num_cpus_per_client=1.0, seed=1,
-                         run_name=f"bench-time-{time.time_ns()}")
-    baseline = sequential_fedavg(cfg, args.rounds)
-    report = federate(settings(), cfg)
-    flower = [row["round_seconds"] for row in report.history]
-    steady_base, steady_flower = statistics.median(baseline[1:]), statistics.median(flower[1:])
-    print(f"round wall time, {args.clients} clients all sampled, {report.num_actors} actors x "
-          f"{cfg.num_cpus_per_client:g} CPU (first round, then median of the rest):")
-    print(f"  sequential in-process FedAvg : {baseline[0]:6.2f}s  {steady_base:6.2f}s  {[round(s, 2) for s in baseline]}")
-    print(f"  Flower on Ray actors         : {flower[0]:6.2f}s  {steady_flower:6.2f}s  {[round(s, 2) for s in flower]}")
-    print(f"  ratio (steady)               : {steady_flower / steady_base:.2f}x   (goal <= 1.2x)")
-    print(f"  bytes up per round           : {report.history[-1]['bytes_up'] / 1e6:.2f} MB (fp16), "
-          f"val_accuracy {report.metrics.get('val_accuracy', float('nan')):.3f}")
-    if args.skip_memory:
-        return
-    results = []
-    for clients in (100, 1000):
-        out = subprocess.run([sys.executable, __file__, "--memory-child", str(clients)], capture_output=True, text=True,
-                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        line = [l for l in out.stdout.splitlines() if l.startswith("{")]
-        if out.returncode or not line:
-            sys.exit(f"memory run with {clients} clients failed:\n{out.stderr[-3000:]}")
-        results.append(json.loads(line[-1]))
-    print("peak memory, 10 clients sampled per round, 2 rounds:")
-    for r in results:
-        print(f"  {r['clients']:5d} clients: driver {r['driver_peak_mb']:7.0f} MB, whole tree {r['tree_peak_mb']:7.0f} MB "
-              f"({r['actors']} actors), rounds {r['round_seconds']}")
-    small, large = results
-    print(f"  1,000 vs 100 clients: driver {large['driver_peak_mb'] / small['driver_peak_mb']:.2f}x, "
-          f"tree {large['tree_peak_mb'] / small['tree_peak_mb']:.2f}x   (linear would be 10x)")
+                         batch_size=32, augment=False, num_cpus_per_client=1.0, seed=1)
+    goals = []
+    with common.local_ray(num_cpus=2):
+        def flower():
+            report = federate(settings(), dataclasses.replace(cfg, run_name=f"bench-time-{time.time_ns()}"))
+            return {**_summary([row["round_seconds"] for row in report.history]), "actors": report.num_actors,
+                    "mb_up": report.history[-1]["bytes_up"] / 1e6, "val_acc": report.metrics["val_accuracy"]}
+
+        results = alternate({"sequential": lambda: _summary(sequential_fedavg(cfg)), "flower+ray": flower},
+                            args.repeats, label="timing")
+    base, ray_ = median_of(results["sequential"], "steady_s"), median_of(results["flower+ray"], "steady_s")
+    print_table(f"round wall time, {args.clients} clients all training and evaluating, {args.rounds} rounds "
+                f"(medians of {args.repeats} runs)", ["driver", "first round s", "fastest later round s", "MB up/round"],
+                [["sequential in-process FedAvg", median_of(results["sequential"], "first_s"), base, "-"],
+                 [f"Flower on {results['flower+ray'][0]['actors']} Ray actors (fp16)",
+                  median_of(results["flower+ray"], "first_s"), ray_, median_of(results["flower+ray"], "mb_up")]])
+    paired = [f["steady_s"] / s["steady_s"] for s, f in zip(results["sequential"], results["flower+ray"])]
+    print(f"  per-run ratios (Flower on Ray / sequential): {', '.join(f'{r:.2f}' for r in paired)}")
+    goals.append(goal_line("steady round, Flower on Ray vs sequential", ray_ / base, TIME_GOAL,
+                           higher_is_better=False))
+
+    if not args.skip_memory:
+        small, large = measure_memory(100), measure_memory(1000)
+        print_table("peak memory of the whole process tree, 10 clients sampled per round, 2 rounds",
+                    ["clients", "PSS MB", "RSS MB", "processes", "actors", "steady round s"],
+                    [[r["clients"], r["pss_mb"], r["rss_mb"], r["processes"], r["actors"], r["steady_round_s"]]
+                     for r in (small, large)])
+        goals.append(goal_line("peak PSS, 1,000 vs 100 clients", large["pss_mb"] / small["pss_mb"], MEMORY_GOAL,
+                               higher_is_better=False, note="(linear would be 10×)"))
+    print()
+    for line in goals:
+        print(line)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -36,12 +36,11 @@ def test_rounds_learn_on_non_iid_users_register_and_resume(trained):
     import mlflow
 
     settings, snapshot, _, _ = trained
-    cfg = fl.FederateConfig(rounds=3, clients=6, clients_per_round=6, local_epochs=2, batch_size=16, lr=0.05,
-                            augment=False, seed=3, run_name="fl-learn")
+    cfg = fl.FederateConfig(rounds=2, clients=6, clients_per_round=6, local_epochs=2, batch_size=16, lr=0.05,
+                            augment=False, seed=3, num_cpus_per_client=1.0, run_name="fl-learn")
     report = fl.federate(settings, cfg)
 
-    assert report.metrics["val_accuracy"] > 0.4, report.history  # chance is 1/6
-    assert [row["round"] for row in report.history] == [1, 2, 3]
+    assert [row["round"] for row in report.history] == [1, 2]
     assert all(row["updates_accepted"] == 6 and row["clients_failed"] == 0 for row in report.history)
 
     # What crossed from the client actors: the model's float arrays as fp16 deltas and three
@@ -50,10 +49,12 @@ def test_rounds_learn_on_non_iid_users_register_and_resume(trained):
                 if v.is_floating_point()}
     train, evaluate = _schemas(report, "train"), _schemas(report, "evaluate")
     assert train and all(s["arrays"] == {"arrays": expected} and s["configs"] == {} for s in train)
-    assert all(s["metrics"] == {"metrics": ["num-examples", "train_accuracy", "train_loss"]} for s in train)
+    scalars = {"num-examples": "int", "train_accuracy": "float", "train_loss": "float"}
+    assert all(s["metrics"] == {"metrics": scalars} for s in train)
     assert evaluate and all(s["arrays"] == {} and s["configs"] == {} for s in evaluate)
-    assert all(s["metrics"] == {"metrics": ["num-examples", "val_accuracy", "val_loss"]} for s in evaluate)
-    assert sum(report.wire.values()) == 3 * 6 + 3 * 6
+    scalars = {"num-examples": "int", "val_accuracy": "float", "val_loss": "float"}
+    assert all(s["metrics"] == {"metrics": scalars} for s in evaluate)
+    assert sum(report.wire.values()) == 2 * 6 + 2 * 6
     fp16_bytes = sum(math.prod(shape) * 2 for _, shape in expected.values())
     assert fp16_bytes <= report.history[0]["bytes_up"] / 6 < 1.1 * fp16_bytes
 
@@ -63,29 +64,32 @@ def test_rounds_learn_on_non_iid_users_register_and_resume(trained):
     assert version.tags["training_kind"] == "federated"
     assert version.tags["snapshot_ids"] == snapshot.snapshot_id
     run = client.get_run(report.run_id)
-    assert run.data.params["rounds"] == "3" and run.data.params["clients"] == "6"
+    assert run.data.params["rounds"] == "2" and run.data.params["clients"] == "6"
     assert run.data.params["dp_clip"] == "None" and run.data.params["snapshots"] == snapshot.snapshot_id
     assert {"curves.png", "history.json", "model"} <= {a.path for a in client.list_artifacts(report.run_id)}
-    assert len(client.get_metric_history(report.run_id, "val_accuracy")) == 3
+    assert len(client.get_metric_history(report.run_id, "val_accuracy")) == 2
 
-    again = fl.federate(settings, dataclasses.replace(cfg, rounds=4))
-    assert (again.resumed_from, again.rounds_run) == (3, 1)
-    assert [row["round"] for row in again.history] == [1, 2, 3, 4] and again.history[:3] == report.history
+    again = fl.federate(settings, dataclasses.replace(cfg, rounds=3))
+    assert (again.resumed_from, again.rounds_run) == (2, 1)
+    assert [row["round"] for row in again.history] == [1, 2, 3] and again.history[:2] == report.history
+    assert again.metrics["val_accuracy"] > 0.4, again.history  # chance is 1/6
 
 
 @pytest.mark.timeout(600)
 def test_nan_update_and_killed_client_leave_the_round_to_the_rest_with_dp(trained):
     from app import registry
 
-    settings, _, _, train_report = trained
+    settings, _, _, _ = trained
     cfg = fl.FederateConfig(rounds=1, clients=4, clients_per_round=4, min_clients=2, local_epochs=1, batch_size=32,
-                            augment=False, init_from="champion", dp_clip=5.0, dp_noise=0.5,
+                            augment=False, init_from="champion", dp_clip=5.0, dp_noise=0.5, num_cpus_per_client=1.0,
                             inject_faults=("0:nan", "1:crash"), run_name="fl-faults")
     report = fl.federate(settings, cfg)
 
     row = report.history[0]
-    assert (row["clients_sampled"], row["clients_failed"], row["updates_rejected"], row["updates_accepted"]) == (4, 1, 1, 2)
-    assert row["abandoned"] == 0 and report.init_version == train_report.version
+    counts = row["clients_sampled"], row["clients_failed"], row["updates_rejected"], row["updates_accepted"]
+    assert counts == (4, 1, 1, 2)
+    assert row["abandoned"] == 0
+    assert report.init_version == registry.resolve(settings.tracking_uri, settings.model_name, "champion")
     accountant = fl.GaussianAccountant(1e-5)
     accountant.compose(GaussianPrivacyEvent(noise_multiplier=0.5 * 2 / 4, sample_size=2, population_size=4))
     assert report.epsilon == pytest.approx(accountant.get_privacy_spent().epsilon)
@@ -185,7 +189,8 @@ def test_fedavg_of_hand_made_updates_is_the_example_weighted_mean_exactly():
         typed = [{k: v.astype(dtype) for k, v in d.items()} for d in deltas]
         arrays, _ = _strategy(3).aggregate_train(1, _replies(typed, examples))
         for key in GLOBAL:
-            expected = sum(n * (GLOBAL[key].astype(np.float64) + d[key]) for d, n in zip(deltas, examples)) / sum(examples)
+            weighted = sum(n * (GLOBAL[key].astype(np.float64) + d[key]) for d, n in zip(deltas, examples))
+            expected = weighted / sum(examples)
             assert arrays[key].numpy().dtype == np.float32  # fp16 on the wire, fp32 in aggregation
             assert np.array_equal(arrays[key].numpy(), expected.astype(np.float32)), key
 
