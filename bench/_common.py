@@ -134,12 +134,14 @@ class TreeMemorySampler:
 
     Samples /proc every `interval_s`. PSS (proportional set size) divides shared pages (the
     object store's /dev/shm, shared libraries) among the processes mapping them, so the sum over
-    the tree counts each page once; the RSS sum is printed too and double-counts them.
+    the tree counts each page once; the RSS sum is printed too and double-counts them. The object
+    store's own footprint is the allocated size of the raylet's /dev/shm/plasma* file (tmpfs
+    blocks): what Ray Data holds in flight, apart from the worker processes' fixed cost.
     """
 
     def __init__(self, root_pid: int, interval_s: float = 0.2):
         self.root_pid, self.interval_s = root_pid, interval_s
-        self.peak_pss = self.peak_rss = 0
+        self.peak_pss = self.peak_rss = self.peak_object_store = 0
         self.peak_processes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="tree-memory")
@@ -161,6 +163,7 @@ class TreeMemorySampler:
                 pss, rss = pss + p, rss + r
             self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
             self.peak_processes = max(self.peak_processes, len(pids))
+            self.peak_object_store = max(self.peak_object_store, _object_store_bytes(pids))
             self._stop.wait(self.interval_s)
 
 
@@ -182,6 +185,26 @@ def descendants(root: int) -> list[int]:
         found.append(pid)
         stack.extend(children.get(pid, []))
     return found
+
+
+def _object_store_bytes(pids: list[int]) -> int:
+    """Allocated bytes of the plasma files mapped by the raylet(s) among `pids`."""
+    seen, total = set(), 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"raylet/raylet" not in f.read().split(b"\0", 1)[0]:
+                    continue
+            directory = f"/proc/{pid}/map_files"
+            for name in os.listdir(directory):
+                if "plasma" in os.readlink(f"{directory}/{name}"):
+                    st = os.stat(f"{directory}/{name}")
+                    if st.st_ino not in seen:
+                        seen.add(st.st_ino)
+                        total += st.st_blocks * 512
+        except OSError:
+            continue
+    return total
 
 
 def _pss_rss(pid: int) -> tuple[int, int]:

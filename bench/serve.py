@@ -11,7 +11,8 @@ answer `POST /predict` with PNG bodies (64 distinct synthetic screenshots, cycle
 - plain: one uvicorn process, FastAPI, the same registered model loaded with `registry.load`, the
   same `preprocess` (decode → RGB → resize → normalise) and forward pass in Starlette's thread pool,
   the same torch threads as a Serve replica (`--threads`, 1 by default).
-A closed loop of `--concurrency` aiohttp clients sends `--requests` requests per run after a
+The forward pass alone at batch 1 and 16 (in this process) is printed first: the most batching can
+gain on this CPU. A closed loop of `--concurrency` aiohttp clients sends `--requests` requests per run after a
 warm-up; runs alternate between the endpoints, `--repeats` rounds, medians. Goals: batching on
 vs off ≥ 2× throughput; Serve p50 ≤ 1.3× the plain process's p50 (throughput ratio printed too).
 
@@ -161,6 +162,31 @@ def load_run(url: str, bodies: list[bytes], concurrency: int, total: int, warmup
     return result
 
 
+def forward_rates(model: str, image_size: int, batch: int, threads: int, seconds: float = 2.0) -> dict:
+    """The ceiling batching can reach: forward passes alone, in this process, batch 1 vs `batch`."""
+    import torch
+
+    from app.model import build_model
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    net = build_model(model, 6).eval()
+    rates = {}
+    try:
+        for size in (1, batch):
+            inputs = torch.randn(size, 3, image_size, image_size)
+            with torch.inference_mode():
+                net(inputs)
+                started, done = time.perf_counter(), 0
+                while time.perf_counter() - started < seconds:
+                    net(inputs)
+                    done += size
+            rates[size] = done / (time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(previous)
+    return {"batch1_images_per_s": rates[1], "batchN_images_per_s": rates[batch]}
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -168,13 +194,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="cnn,resnet18", help="comma list of cnn, resnet18, resnet50")
     parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--requests", type=int, default=480, help="requests per measured run")
-    parser.add_argument("--warmup", type=int, default=48)
+    parser.add_argument("--requests", type=int, default=320, help="requests per measured run")
+    parser.add_argument("--warmup", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=16, help="max_batch_size with batching on")
     parser.add_argument("--batch-wait-s", type=float, default=0.01)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per replica and in the plain server")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--plain-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--mlflow-uri", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -187,7 +213,12 @@ def main() -> int:
     from app import synth
 
     bodies = [r.value for r in synth.generate(64, seed=9, size=args.image_size)]
-    rows, goals = [], []
+    rows, goals, ceiling = [], [], []
+    for model in models:
+        rates = alternate({"forward": lambda: forward_rates(model, args.image_size, args.batch_size, args.threads)},
+                          args.repeats, f"{model} model only")["forward"]
+        b1, bn = median_of(rates, "batch1_images_per_s"), median_of(rates, "batchN_images_per_s")
+        ceiling.append([model, b1, bn, f"{bn / b1:.2f}×"])
     with common.scratch_dir("argus-bench-serve-") as tmp:
         tracking_uri = f"sqlite:///{tmp / 'mlflow.db'}"
         for model in models:
@@ -238,6 +269,8 @@ def main() -> int:
             plain.wait(30)
 
     print("\n== summary")
+    print_table(f"model forward only, in this process, {args.threads} torch thread(s): what batching can gain at most",
+                ["model", "batch 1 img/s", f"batch {args.batch_size} img/s", "gain"], ceiling)
     print_table(f"{args.concurrency} concurrent clients, {args.requests} requests per run (median of {args.repeats})",
                 ["endpoint", "requests/s", "p50 ms", "p99 ms"], rows)
     print()
