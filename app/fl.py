@@ -24,8 +24,10 @@ over a bounded pool of Ray actors, instead of `flwr.simulation.run_simulation`, 
   - puts an actor that died back into its pool, so one killed client fails later messages too;
   - waits with `ray.get` and no timeout, so a slow client holds its worker past the round deadline;
   - and `run_simulation` itself is deprecated in favour of `flwr run`.
-`federate` joins Ray through `app.cluster.ray_session`: the job's cluster under `ray job submit`,
-the caller's when Ray is already up, else a local one; it never shuts down a Ray it did not start.
+Under `run_simulation` the same ClientApp and strategy give the same first round to the last digit
+(checked by hand); the choice is only about who owns Ray and the actors. `federate` joins Ray
+through `app.cluster.ray_session`: the job's cluster under `ray job submit`, the caller's when Ray
+is already up, else a local one; it never shuts down a Ray it did not start.
 
 **Before any Flower strategy sees an update** (`GuardedStrategy`): fp16 deltas become fp32 weights
 (aggregation is fp32); an update with NaN/Inf, the wrong arrays, or a norm above
@@ -39,7 +41,7 @@ variant). Weights are uniform under DP so one client moves the mean by at most C
 norm-outlier rule is off (the clip already bounds every update, and a median-relative rule would
 let one client's update decide another's fate, which no accountant covers). Epsilon at
 `--dp-delta` is composed per round by `GaussianAccountant` (RDP, no sampling amplification; Flower's
-`RdpAccountant` needs the optional dp-accounting package and skips any round that lost a client),
+accounted mode needs the optional dp-accounting package and refuses any round that lost a client),
 with the noise multiplier each round really had (z·m/n when m of n updates were aggregated). It is
 reported for fedavg/fedprox only: medians and Krum do not have a mean's sensitivity.
 
@@ -849,6 +851,8 @@ class _Federation:
     snapshot_uris: list[str]
     checkpoint_uri: str
     fingerprint: dict
+    run_name: str = ""
+    init_version: str | None = None
     start_round: int = 0
     history: list = dataclasses.field(default_factory=list)
     accountant: GaussianAccountant | None = None
@@ -863,11 +867,16 @@ class _Federation:
         return ConfigRecord(config)
 
     def end_round(self, server_round: int, arrays: ArrayRecord, row: dict) -> None:
+        from app import metrics
+
         self.arrays = arrays
         self.history.append(row)
+        metrics.set_gauge("argus_fl_round_seconds", row["round_seconds"], run=self.run_name)
+        metrics.set_gauge("argus_fl_round_bytes", row["bytes_up"], run=self.run_name)
         load_arrays(self.model, arrays)
         save_checkpoint(self.checkpoint_uri, server_round, self.model, {
             "round": server_round, "history": self.history, "fingerprint": self.fingerprint,
+            "init_version": self.init_version,
             "noise_multipliers": self.accountant.noise_multipliers if self.accountant else []})
 
 
@@ -958,30 +967,34 @@ def federate(settings: Settings, cfg: FederateConfig) -> FederateReport:
     users = len(set(read_snapshot_rows(uris, ["key"]).column("key").drop_null().to_pylist()))
     if cfg.clients > users:
         raise ConfigError(f"--clients {cfg.clients} but the snapshots hold {users} users; a client is at least one user")
-    model, init_version = _initial_model(settings, cfg, classes)
 
     run_name = cfg.run_name or time.strftime("federate-%Y%m%d-%H%M%S")
+    checkpoint_uri = settings.uri("checkpoints", "federated", run_name)
     fingerprint = {"arch": settings.model, "classes": classes, "image_size": settings.image_size,
                    "clients": cfg.clients, "snapshots": snapshot_ids, "seed": cfg.seed, "strategy": cfg.strategy,
-                   "dp_noise": cfg.dp_noise, "dp_clip": cfg.dp_clip, "init_version": init_version}
-    fed = _Federation(cfg=cfg, model=model, arrays=model_arrays(model), classes=classes, snapshot_uris=uris,
-                      checkpoint_uri=settings.uri("checkpoints", "federated", run_name), fingerprint=fingerprint)
-    accounted = cfg.dp and cfg.dp_noise > 0 and cfg.strategy in MEAN_STRATEGIES
-    if cfg.dp and cfg.dp_noise > 0 and not accounted:
-        log.warning("--strategy %s with DP noise: epsilon is not reported (no mean, no accountant)", cfg.strategy)
-    noise_multipliers = []
-    checkpoint = load_checkpoint(fed.checkpoint_uri)
-    if checkpoint is not None:
+                   "dp_noise": cfg.dp_noise, "dp_clip": cfg.dp_clip}
+    checkpoint = load_checkpoint(checkpoint_uri)
+    if checkpoint is None:
+        model, init_version = _initial_model(settings, cfg, classes)
+        start_round, history, noise_multipliers = 0, [], []
+    else:
         state, meta = checkpoint
         if meta["fingerprint"] != fingerprint:
             changed = sorted(k for k in fingerprint if meta["fingerprint"].get(k) != fingerprint[k])
             raise ConfigError(f"run {run_name!r} was started with different {', '.join(changed)}; "
                               "pass a new --run-name to start over")
+        model = core.build_model(settings.model, len(classes))
         model.load_state_dict(state)
-        fed.arrays, fed.start_round, fed.history = model_arrays(model), meta["round"], meta["history"]
-        noise_multipliers = meta["noise_multipliers"]
-        log.info("resuming federated run %s after round %d", run_name, fed.start_round)
-    fed.accountant = GaussianAccountant(cfg.dp_delta, noise_multipliers) if accounted else None
+        start_round, history, noise_multipliers = meta["round"], meta["history"], meta["noise_multipliers"]
+        init_version = meta.get("init_version")
+        log.info("resuming federated run %s after round %d", run_name, start_round)
+    accounted = cfg.dp and cfg.dp_noise > 0 and cfg.strategy in MEAN_STRATEGIES
+    if cfg.dp and cfg.dp_noise > 0 and not accounted:
+        log.warning("--strategy %s with DP noise: epsilon is not reported (no mean, no accountant)", cfg.strategy)
+    fed = _Federation(cfg=cfg, model=model, arrays=model_arrays(model), classes=classes, snapshot_uris=uris,
+                      checkpoint_uri=checkpoint_uri, fingerprint=fingerprint, run_name=run_name,
+                      init_version=init_version, start_round=start_round, history=history,
+                      accountant=GaussianAccountant(cfg.dp_delta, noise_multipliers) if accounted else None)
 
     if fed.start_round < cfg.rounds:
         with ray_session(settings), _quiet_flower():
@@ -1000,7 +1013,7 @@ def federate(settings: Settings, cfg: FederateConfig) -> FederateReport:
     else:
         log.info("run %s already finished %d rounds; registering its model", run_name, fed.start_round)
         wire, num_actors = {}, 0
-    return _finish(settings, cfg, fed, run_name, manifests, init_version, wire, num_actors)
+    return _finish(settings, cfg, fed, run_name, manifests, wire, num_actors)
 
 
 @contextlib.contextmanager
@@ -1017,7 +1030,7 @@ def _quiet_flower():
 
 
 def _finish(settings: Settings, cfg: FederateConfig, fed: _Federation, run_name: str, manifests: list[dict],
-            init_version: str | None, wire: dict, num_actors: int) -> FederateReport:
+            wire: dict, num_actors: int) -> FederateReport:
     """MLflow run (params, per-round metrics, curves) and a registered version, training kind `federated`."""
     from app import registry
     from app.plots import save_curves
@@ -1039,7 +1052,7 @@ def _finish(settings: Settings, cfg: FederateConfig, fed: _Federation, run_name:
         params = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("snapshots", "inject_faults")}
         mlflow.log_params({**params, "model": settings.model, "image_size": settings.image_size,
                            "classes": ",".join(fed.classes), "snapshots": ",".join(m["snapshot_id"] for m in manifests),
-                           "init_version": init_version, "resumed_from": fed.start_round})
+                           "init_version": fed.init_version, "resumed_from": fed.start_round})
         mlflow.set_tags({"training_kind": "federated", "fl.checkpoints": fed.checkpoint_uri})
         for row in history:
             mlflow.log_metrics({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "round"},
@@ -1059,4 +1072,4 @@ def _finish(settings: Settings, cfg: FederateConfig, fed: _Federation, run_name:
     return FederateReport(version=version, run_id=run_id, run_name=run_name, metrics=metrics, history=history,
                           rounds_run=cfg.rounds - fed.start_round if fed.start_round < cfg.rounds else 0,
                           resumed_from=fed.start_round, classes=fed.classes, epsilon=epsilon, wire=wire,
-                          checkpoint_dir=fed.checkpoint_uri, init_version=init_version, num_actors=num_actors)
+                          checkpoint_dir=fed.checkpoint_uri, init_version=fed.init_version, num_actors=num_actors)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 import uuid
+from typing import NamedTuple
 from pathlib import Path
 
 import pytest
@@ -32,28 +35,58 @@ def ray_cluster():
     from app.broker import free_port
 
     metrics_port = free_port()
+    # Processes export metrics every second rather than every ten, so short tests see them.
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, _metrics_export_port=metrics_port,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+             _system_config={"metrics_report_interval_ms": 1000}, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     yield metrics_port
     ray.shutdown()
 
 
-def scrape(metrics_port: int, *names: str, timeout_s: float = 45) -> dict[str, list[str]]:
-    """Poll Ray's Prometheus endpoint until every metric name has a sample; return their lines."""
-    import time
-
+def _samples(metrics_port: int, names) -> dict[str, list[str]]:
     import requests
 
+    text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    return {n: [l for l in text.splitlines() if l.startswith(n + "{") or l.startswith(n + " ")] for n in names}
+
+
+def scrape(metrics_port: int, *names: str, timeout_s: float = 45) -> dict[str, list[str]]:
+    """Poll Ray's Prometheus endpoint until every metric name has a sample; return their lines."""
     deadline = time.monotonic() + timeout_s
     found: dict[str, list[str]] = {}
     while time.monotonic() < deadline:
-        text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
-        found = {n: [l for l in text.splitlines() if l.startswith(n + "{") or l.startswith(n + " ")] for n in names}
+        found = _samples(metrics_port, names)
         if all(found.values()):
             return found
         time.sleep(1)
     missing = [n for n, lines in found.items() if not lines]
     raise AssertionError(f"metrics never exported: {missing}")
+
+
+class MetricsWatcher:
+    """Scrapes Ray's Prometheus endpoint in a thread for as long as the `with` block runs and keeps
+    every sample of the named metrics. Ray exports a process's gauges only while it lives, and a
+    scrape consumes them, so gauges set by Ray Train's workers are seen only while training runs."""
+
+    def __init__(self, metrics_port: int, *names: str):
+        self.metrics_port, self.names = metrics_port, names
+        self.seen: dict[str, list[str]] = {n: [] for n in names}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while True:
+            for name, lines in _samples(self.metrics_port, self.names).items():
+                self.seen[name] += lines
+            if self._stop.wait(0.5):
+                return
+
+    def __enter__(self) -> "MetricsWatcher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 @pytest.fixture
@@ -62,12 +95,17 @@ def settings(tmp_path, broker) -> Settings:
                     image_size=TEST_IMAGE_SIZE, model="cnn", partitions=3)
 
 
+def child_env(**overrides: str) -> dict[str, str]:
+    """This process's environment without the variables that would point a child at another test's
+    broker, storage, MLflow or Ray (`mlflow.set_tracking_uri` exports MLFLOW_TRACKING_URI)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KAFKA_BOOTSTRAP_SERVERS", "ARGUS_TOPIC", "ARGUS_STORAGE", "MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    return {**env, **overrides}
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -m app ARGS` in a subprocess, as a user would run it."""
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    for variable in ("KAFKA_BOOTSTRAP_SERVERS", "ARGUS_TOPIC", "ARGUS_STORAGE", "MLFLOW_TRACKING_URI", "RAY_ADDRESS"):
-        if env is None or variable not in env:
-            full_env.pop(variable, None)
+    full_env = child_env(PYTHONPATH=str(ROOT), **(env or {}))
     return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, env=full_env,
                           timeout=timeout, cwd=ROOT)
 
@@ -76,6 +114,17 @@ def settings_args(settings: Settings) -> list[str]:
     return ["--bootstrap-servers", settings.bootstrap_servers, "--topic", settings.topic,
             "--storage", settings.storage, "--image-size", str(settings.image_size), "--model", settings.model,
             "--partitions", str(settings.partitions)]
+
+
+TRAIN_GAUGES = ("ray_argus_train_loss", "ray_argus_train_images_per_second", "ray_argus_train_epoch_seconds")
+
+
+class Trained(NamedTuple):
+    settings: Settings
+    snapshot: object
+    train_config: object
+    report: object
+    train_gauges: dict[str, list[str]]  # every sample of TRAIN_GAUGES exported while it trained
 
 
 @pytest.fixture(scope="session")
@@ -92,5 +141,6 @@ def trained(tmp_path_factory, broker, ray_cluster):
             broker)
     snapshot = ingest(settings, IngestConfig(), broker)
     train_config = TrainConfig(epochs=3, num_workers=2, batch_size=32, lr=3e-3, seed=11, max_failures=0)
-    report = train(settings, train_config)
-    return settings, snapshot, train_config, report
+    with MetricsWatcher(ray_cluster, *TRAIN_GAUGES) as watcher:
+        report = train(settings, train_config)
+    return Trained(settings, snapshot, train_config, report, watcher.seen)

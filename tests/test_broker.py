@@ -8,7 +8,7 @@ import sys
 import time
 
 from app.broker import EmbeddedBroker, free_port, recorded_broker
-from conftest import ROOT
+from conftest import ROOT, child_env
 
 
 def _accepts(port: int) -> bool:
@@ -33,7 +33,7 @@ def test_broker_command_records_itself_and_stops_on_sigterm(tmp_path):
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "app", "broker", "--port", str(port), "--storage", str(tmp_path)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+                               env=child_env(PYTHONPATH=str(ROOT)))
     try:
         deadline = time.monotonic() + 60
         while recorded_broker(tmp_path) is None:

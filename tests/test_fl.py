@@ -35,13 +35,13 @@ def _schemas(report, message_type):
 def test_rounds_learn_on_non_iid_users_register_and_resume(trained):
     import mlflow
 
-    settings, snapshot, _, _ = trained
-    cfg = fl.FederateConfig(rounds=2, clients=6, clients_per_round=6, local_epochs=2, batch_size=16, lr=0.05,
+    settings, snapshot, _, _, _ = trained
+    cfg = fl.FederateConfig(rounds=2, clients=4, clients_per_round=4, local_epochs=1, batch_size=16, lr=0.05,
                             augment=False, seed=3, num_cpus_per_client=1.0, run_name="fl-learn")
     report = fl.federate(settings, cfg)
 
     assert [row["round"] for row in report.history] == [1, 2]
-    assert all(row["updates_accepted"] == 6 and row["clients_failed"] == 0 for row in report.history)
+    assert all(row["updates_accepted"] == 4 and row["clients_failed"] == 0 for row in report.history)
 
     # What crossed from the client actors: the model's float arrays as fp16 deltas and three
     # numbers per train reply; three numbers per evaluate reply. No pixels, no other arrays.
@@ -54,9 +54,9 @@ def test_rounds_learn_on_non_iid_users_register_and_resume(trained):
     assert evaluate and all(s["arrays"] == {} and s["configs"] == {} for s in evaluate)
     scalars = {"num-examples": "int", "val_accuracy": "float", "val_loss": "float"}
     assert all(s["metrics"] == {"metrics": scalars} for s in evaluate)
-    assert sum(report.wire.values()) == 2 * 6 + 2 * 6
+    assert sum(report.wire.values()) == 2 * 4 + 2 * 4
     fp16_bytes = sum(math.prod(shape) * 2 for _, shape in expected.values())
-    assert fp16_bytes <= report.history[0]["bytes_up"] / 6 < 1.1 * fp16_bytes
+    assert fp16_bytes <= report.history[0]["bytes_up"] / 4 < 1.1 * fp16_bytes
 
     mlflow.set_tracking_uri(settings.tracking_uri)
     client = mlflow.MlflowClient()
@@ -64,7 +64,7 @@ def test_rounds_learn_on_non_iid_users_register_and_resume(trained):
     assert version.tags["training_kind"] == "federated"
     assert version.tags["snapshot_ids"] == snapshot.snapshot_id
     run = client.get_run(report.run_id)
-    assert run.data.params["rounds"] == "2" and run.data.params["clients"] == "6"
+    assert run.data.params["rounds"] == "2" and run.data.params["clients"] == "4"
     assert run.data.params["dp_clip"] == "None" and run.data.params["snapshots"] == snapshot.snapshot_id
     assert {"curves.png", "history.json", "model"} <= {a.path for a in client.list_artifacts(report.run_id)}
     assert len(client.get_metric_history(report.run_id, "val_accuracy")) == 2
@@ -79,7 +79,7 @@ def test_rounds_learn_on_non_iid_users_register_and_resume(trained):
 def test_nan_update_and_killed_client_leave_the_round_to_the_rest_with_dp(trained):
     from app import registry
 
-    settings, _, _, _ = trained
+    settings, _, _, _, _ = trained
     cfg = fl.FederateConfig(rounds=1, clients=4, clients_per_round=4, min_clients=2, local_epochs=1, batch_size=32,
                             augment=False, init_from="champion", dp_clip=5.0, dp_noise=0.5, num_cpus_per_client=1.0,
                             inject_faults=("0:nan", "1:crash"), run_name="fl-faults")
@@ -99,7 +99,7 @@ def test_nan_update_and_killed_client_leave_the_round_to_the_rest_with_dp(traine
 
 
 def test_init_from_a_model_that_does_not_fit_is_a_clear_error(trained):
-    settings, _, _, _ = trained
+    settings, _, _, _, _ = trained
     with pytest.raises(ConfigError, match="arch 'cnn'"):
         fl.federate(dataclasses.replace(settings, model="resnet18"),
                     fl.FederateConfig(rounds=1, clients=2, clients_per_round=2, init_from="champion"))

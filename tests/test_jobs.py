@@ -18,7 +18,7 @@ from app import registry
 from app.broker import free_port
 from app.config import ProduceConfig, Settings
 from app.data import list_manifests, produce
-from conftest import ROOT, TEST_IMAGE_SIZE
+from conftest import ROOT, TEST_IMAGE_SIZE, child_env
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -28,8 +28,7 @@ def head_node(tmp_path_factory):
     """`ray start --head --block` in its own process group, stopped by that group's PID."""
     dashboard_port = free_port()
     temp_dir = f"/tmp/argus-ray-{uuid.uuid4().hex[:6]}"  # short: Ray's socket paths have a length limit
-    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
+    env = child_env(PATH=f"{VENV_BIN}:{os.environ['PATH']}", RAY_USAGE_STATS_ENABLED="0")
     process = subprocess.Popen(
         [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", "--num-cpus=2",

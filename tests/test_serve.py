@@ -24,7 +24,7 @@ def endpoint(trained):
 
     from app.serve import deploy, wait_for_version
 
-    settings, _, _, report = trained
+    settings, _, _, report, _ = trained
     url = deploy(settings, ServeConfig(http_port=free_port(), poll_s=0.5, max_batch_size=8), blocking=False)
     wait_for_version(url, report.version)
     yield url
@@ -37,7 +37,7 @@ def _png(value_seed: int) -> tuple[str, bytes]:
 
 
 def test_predictions_match_the_offline_model(trained, endpoint):
-    settings, _, _, report = trained
+    settings, _, _, report, _ = trained
     offline = registry.load(settings.tracking_uri, settings.model_name, report.version)
     for seed in range(4):
         _, value = _png(seed)
@@ -76,7 +76,7 @@ def test_bad_input_is_a_json_4xx_and_the_service_keeps_serving(endpoint):
 
 
 def test_healthz_model_and_docs(trained, endpoint):
-    settings, snapshot, _, report = trained
+    settings, snapshot, _, report, _ = trained
     health = requests.get(f"{endpoint}/healthz", timeout=10).json()
     assert health == {"status": "ok", "model_version": report.version}
     info = requests.get(f"{endpoint}/model", timeout=10).json()
@@ -91,7 +91,7 @@ def test_healthz_model_and_docs(trained, endpoint):
 def test_drift_is_found_in_shifted_traffic_only(trained, endpoint):
     from app.drift import DriftConfig, drift
 
-    settings, _, _, _ = trained
+    settings, _, _, _, _ = trained
 
     def send(records, transform=lambda value: value):
         started = time.time()
@@ -118,7 +118,7 @@ def test_drift_is_found_in_shifted_traffic_only(trained, endpoint):
 
 
 def test_promote_switches_versions_with_no_failed_request(trained, endpoint):
-    settings, _, _, report = trained
+    settings, _, _, report, _ = trained
     current = registry.load(settings.tracking_uri, settings.model_name, report.version)
     mlflow = registry._mlflow(settings.tracking_uri)
     experiment = registry.experiment_id(settings.tracking_uri, registry.artifact_root(settings))
@@ -159,7 +159,7 @@ def test_promote_switches_versions_with_no_failed_request(trained, endpoint):
 def test_requests_are_counted_by_status_and_version(trained, endpoint, ray_cluster):
     from conftest import scrape
 
-    _, _, _, report = trained
+    _, _, _, report, _ = trained
     requests.post(f"{endpoint}/predict", data=b"x", headers={"Content-Type": "text/plain"}, timeout=10)
     lines = scrape(ray_cluster, "ray_argus_serve_requests_total", "ray_argus_serve_latency_seconds_bucket")
     counts = lines["ray_argus_serve_requests_total"]

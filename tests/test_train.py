@@ -13,10 +13,8 @@ from app import model as core
 from app.data import read_manifest
 
 
-def test_training_learns_and_registers_lineage(trained, ray_cluster):
-    from conftest import scrape
-
-    settings, snapshot, _, report = trained
+def test_training_learns_and_registers_lineage(trained):
+    settings, snapshot, _, report, train_gauges = trained
     assert report.metrics["val_accuracy"] > 0.45, report.metrics  # chance is 1/6
     assert report.epochs == 3
     import mlflow
@@ -35,14 +33,16 @@ def test_training_learns_and_registers_lineage(trained, ray_cluster):
     assert {"curves.png", "history.json", "model"} <= artifacts
     recall_metrics = [k for k in client.get_run(report.run_id).data.metrics if k.startswith("val_recall.")]
     assert len(recall_metrics) == len(report.classes)
-    scrape(ray_cluster, "ray_argus_train_loss", "ray_argus_train_images_per_second", "ray_argus_train_epoch_seconds")
+    run_name = client.get_run(report.run_id).info.run_name
+    missing = [name for name, samples in train_gauges.items() if not any(f'run="{run_name}"' in s for s in samples)]
+    assert not missing, f"not exported to Prometheus while training: {missing}"
 
 
 @pytest.mark.slow
 def test_same_seed_same_metrics(trained):
     from app.train import train
 
-    settings, _, train_config, report = trained
+    settings, _, train_config, report, _ = trained
     again = train(settings, train_config)
     assert again.metrics["val_accuracy"] == report.metrics["val_accuracy"]
     assert again.metrics["train_loss"] == pytest.approx(report.metrics["train_loss"], rel=1e-6)
@@ -53,7 +53,7 @@ def test_same_seed_same_metrics(trained):
 def test_killed_worker_resumes_from_checkpoint(trained, tmp_path):
     from app.train import train
 
-    settings, _, train_config, _ = trained
+    settings, _, train_config, _, _ = trained
     cfg = dataclasses.replace(train_config, epochs=3, fail_at_epoch=1, max_failures=1, run_name="fault-run")
     report = train(settings, cfg)
     assert report.epochs == 3
@@ -114,7 +114,7 @@ def test_amp_auto_is_off_on_cpu():
 def test_rerun_with_the_same_name_resumes(trained):
     from app.train import train
 
-    settings, _, train_config, _ = trained
+    settings, _, train_config, _, _ = trained
     first = train(settings, dataclasses.replace(train_config, epochs=1, run_name="resumable"))
     # A different seed would change every epoch it retrained; epoch 0 must come from the first run.
     second = train(settings, dataclasses.replace(train_config, epochs=2, run_name="resumable", seed=99))
