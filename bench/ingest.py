@@ -3,11 +3,10 @@
     .venv/bin/python bench/ingest.py                      # small defaults, a few minutes on 2 cores
     .venv/bin/python bench/ingest.py --records 50000 --pre-images 30000 --full-memory
 
-1. read: probe the true ends + `ray.data.read_datasource(KafkaRangeDatasource)` iterated to the
-   driver, vs a raw confluent-kafka consume loop over the same partitions and offset ranges
+1. read: probe the true ends + ingest's Ray Data read (`read_ranges` in `streaming_blocks`) iterated
+   to the driver, vs a raw confluent-kafka consume loop over the same partitions and offset ranges
    (one consumer, counting records and value bytes). Also, for diagnosis, the app's own
-   `read_partition_range` called partition by partition in this process, and the Ray Data read
-   with `override_num_blocks` (the fix bench/README.md proposes). Goal ≥ 0.9×.
+   `read_partition_range` called partition by partition in this process. Goal ≥ 0.9×.
 2. preprocess: the `Preprocessor` UDF in a `map_batches` actor pool configured as `ingest` does
    (batch 64, 1 CPU per actor, `--concurrency` actors: 1 by default, and 2), vs a plain
    `multiprocessing.Pool(2)` decoding with Pillow, resizing (bilinear, antialiased) and
@@ -40,24 +39,17 @@ PRE_BATCH = 64
 # ---------------------------------------------------------------- 1. read throughput
 
 
-def ray_read(bootstrap: str, topic: str, partitions: list[int], records_per_block: int,
-             override_num_blocks: bool = False) -> dict:
-    """What ingest does before preprocessing: probe the true ends, then read every range with Ray Data.
-
-    `override_num_blocks=True` is the fix proposed in bench/README.md: without it Ray Data asks for
-    ~200 blocks, gets one read task per partition, and splits each task's output (SplitBlocks).
-    """
+def ray_read(bootstrap: str, topic: str, partitions: list[int], records_per_block: int) -> dict:
+    """What ingest does before preprocessing: probe the true ends, then read every range with Ray Data."""
     import pyarrow.compute as pc
-    import ray.data
 
-    from app.data import KafkaRangeDatasource, probe_end_offsets
+    from app.data import KafkaRangeDatasource, probe_end_offsets, read_ranges, streaming_blocks
 
     started = time.perf_counter()
     ends = probe_end_offsets(bootstrap, topic, partitions)
     ranges = {p: (0, e) for p, e in ends.items() if e > 0}
-    source = KafkaRangeDatasource(bootstrap, topic, ranges, records_per_block, {}, 3_600_000)
-    dataset = ray.data.read_datasource(source, ray_remote_args={"num_cpus": 0.25},
-                                       override_num_blocks=len(ranges) if override_num_blocks else None)
+    with streaming_blocks():
+        dataset = read_ranges(KafkaRangeDatasource(bootstrap, topic, ranges, records_per_block, {}, 3_600_000))
     rows = size = 0
     for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow"):
         rows += batch.num_rows
@@ -220,41 +212,6 @@ def in_process_preprocess(values: list[bytes], image_size: int, threads: int) ->
     return _image_rate(rows, started, ended, started, ended)
 
 
-def proposed_normalize(images, size: int, device="cpu"):
-    """The change bench/README.md proposes for app.data.normalize: resize the uint8 image (torchvision's
-    fast integer path) and normalise the whole batch once, instead of resizing float copies one by one."""
-    import torch
-    import torchvision.transforms.v2.functional as F
-
-    from app.config import IMAGENET_MEAN, IMAGENET_STD
-
-    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
-    std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
-    out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=device)
-    for i, image in enumerate(images):
-        out[i] = F.resize(image.to(device, non_blocking=True).permute(2, 0, 1), [size, size], antialias=True)
-    return out.float().sub_(mean).div_(std)
-
-
-def in_process_proposed(values: list[bytes], image_size: int) -> dict:
-    import torch
-
-    from app.data import decode_image, pil_to_uint8
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        started = time.time()
-        rows = 0
-        for i in range(0, len(values), PRE_BATCH):
-            rows += len(proposed_normalize([pil_to_uint8(decode_image(v)) for v in values[i:i + PRE_BATCH]],
-                                           image_size))
-        ended = time.time()
-    finally:
-        torch.set_num_threads(previous)
-    return _image_rate(rows, started, ended, started, ended)
-
-
 def _image_rate(rows: int, started: float, ended: float, first: float, last: float) -> dict:
     """Wall rate (start-up included) and busy rate (first batch start to last batch end)."""
     return {"images": rows, "seconds": ended - started, "images_per_s": rows / (ended - started),
@@ -288,9 +245,9 @@ def ingest_child(bootstrap: str, topic: str, storage: str) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--records", type=int, default=20_000, help="records for the read benchmark")
+    parser.add_argument("--records", type=int, default=100_000, help="records for the read benchmark")
     parser.add_argument("--source-size", type=int, default=64, help="synthetic image side in the read topic")
-    parser.add_argument("--pre-images", type=int, default=4_000, help="images for the preprocessing benchmark")
+    parser.add_argument("--pre-images", type=int, default=20_000, help="images for the preprocessing benchmark")
     parser.add_argument("--in-process-images", type=int, default=500, help="images for the in-process rate")
     parser.add_argument("--pre-source-size", type=int, default=128, help="side of the images preprocessed")
     parser.add_argument("--image-size", type=int, default=64, help="--image-size the preprocessing resizes to")
@@ -363,8 +320,6 @@ def main() -> int:
                     "Ray Data (probe + KafkaRange)": lambda: ray_read(bootstrap, topic, partitions, rpb),
                     "raw confluent-kafka loop": lambda: raw_read(bootstrap, topic, ranges, rpb),
                     "app reader, no Ray (info)": lambda: app_reader_in_process(bootstrap, topic, ranges, rpb),
-                    "Ray Data, override_num_blocks (proposed fix, info)":
-                        lambda: ray_read(bootstrap, topic, partitions, rpb, override_num_blocks=True),
                 }, args.repeats, "read")
                 for results in read.values():
                     assert all(r["records"] == args.records for r in results), results
@@ -393,8 +348,6 @@ def main() -> int:
                         lambda: in_process_preprocess(values[:args.in_process_images], args.image_size, 1),
                     "in-process preprocess(), 2 torch threads (info)":
                         lambda: in_process_preprocess(values[:args.in_process_images], args.image_size, 2),
-                    "in-process, proposed uint8-resize normalize, 1 thread (info)":
-                        lambda: in_process_proposed(values[:args.in_process_images], args.image_size),
                 }, args.repeats, "preprocess")
                 rows = [[name, median_of(r, "images_per_s"), median_of(r, "busy_images_per_s"),
                          median_of(r, "startup_s"), median_of(r, "seconds")] for name, r in pre.items()]
