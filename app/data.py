@@ -411,17 +411,21 @@ class KafkaRangeDatasource:
         return _KafkaRangeDatasource(*args, **kwargs)
 
 
-def read_ranges(source) -> ray.data.Dataset:
-    """The Ray Data read of a KafkaRangeDatasource, as ingest runs it (inside `streaming_blocks`).
-
-    Read tasks take a quarter CPU so they never starve the preprocessing actors, and at most one
-    runs per cluster CPU: more consumers than cores only contend (with the broker too, when it
-    shares the machine).
-    """
+def io_concurrency() -> int:
+    """Kafka read and snapshot write tasks take a quarter CPU each, so they never starve the
+    preprocessing actors, and at most one of each kind runs per cluster CPU: more consumers than
+    cores only contend (with the broker too, where it shares the machine), and every extra task is
+    another worker process in memory."""
     import ray
 
-    return ray.data.read_datasource(source, ray_remote_args={"num_cpus": 0.25},
-                                    concurrency=max(1, int(ray.cluster_resources().get("CPU", 1))),
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def read_ranges(source) -> ray.data.Dataset:
+    """The Ray Data read of a KafkaRangeDatasource, as ingest runs it (inside `streaming_blocks`)."""
+    import ray
+
+    return ray.data.read_datasource(source, ray_remote_args={"num_cpus": 0.25}, concurrency=io_concurrency(),
                                     override_num_blocks=source.read_task_count())
 
 
@@ -751,7 +755,7 @@ def ingest(settings: Settings, cfg: IngestConfig, bootstrap_servers: str) -> Ing
             num_cpus=0 if cfg.use_gpu else 1, num_gpus=1 if cfg.use_gpu else 0,
         )
     sink = SnapshotSink(staging_uri, bootstrap_servers, settings.topic, settings.dlq_topic)
-    dataset.write_datasink(sink, ray_remote_args={"num_cpus": 0.25})
+    dataset.write_datasink(sink, ray_remote_args={"num_cpus": 0.25}, concurrency=io_concurrency())
     manifest = build_manifest(settings, cfg, snapshot_id, ranges, watermarks, sink.write_returns)
     _fault("after_write")
     _atomic_write(fs, f"{staging}/{MANIFEST}", json.dumps(manifest, indent=2, sort_keys=True).encode())

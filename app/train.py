@@ -156,6 +156,7 @@ def train_loop_per_worker(cfg: dict) -> None:
                    "val_accuracy": (confusion.diag().sum() / max(int(support.sum()), 1)).item(),
                    "val_examples": int(support.sum()), "epoch_seconds": seconds,
                    "images_per_second": stats["examples"] * context.get_world_size() / seconds,
+                   "workers": context.get_world_size(),
                    "checksum": checksum, "per_class_recall": recall}
         history.append({k: v for k, v in metrics.items() if k != "per_class_recall"})
         if rank == 0:
@@ -225,14 +226,16 @@ def build_datasets(settings: Settings, manifests: list[dict], classes: list[str]
     cutoff = int(np.quantile(times, 1 - val_fraction))
     dataset = ray.data.read_parquet(paths, columns=[column, "label", "event_time"], **read_args)
 
-    def encode(batch):
-        keep = np.isin(batch["label"], classes)
-        return {column: batch[column][keep], "label_index": encode_labels(batch["label"][keep], classes),
-                "event_time": batch["event_time"][keep]}
+    def newest_slice(newest: bool):
+        # One 0.25-CPU map does label filter, split and projection: a separate filter or
+        # select_columns op would schedule 1-CPU tasks that a busy small cluster never fits.
+        def keep(batch):
+            rows = np.isin(batch["label"], classes) & ((batch["event_time"] >= cutoff) == newest)
+            return {column: batch[column][rows], "label_index": encode_labels(batch["label"][rows], classes)}
 
-    labelled = dataset.map_batches(encode, batch_format="numpy", num_cpus=0.25)
-    train = labelled.filter(lambda row: row["event_time"] < cutoff, num_cpus=0.25).select_columns([column, "label_index"])
-    val = labelled.filter(lambda row: row["event_time"] >= cutoff, num_cpus=0.25).select_columns([column, "label_index"])
+        return dataset.map_batches(keep, batch_format="numpy", num_cpus=0.25)
+
+    train, val = newest_slice(False), newest_slice(True)
     return train, val, cutoff, int((times < cutoff).sum()), int((times >= cutoff).sum())
 
 
@@ -290,6 +293,7 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="val_accuracy",
                                                          checkpoint_score_order="max")),
         datasets={"train": train_ds, "val": val_ds},
+        dataset_config=_data_config(cfg),
     )
     result = trainer.fit()
     if result.error:
@@ -309,6 +313,21 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
     if cfg.promote_if_better:
         promote_if_better(settings, version, best_metrics["val_accuracy"], val_ds, card)
     return TrainReport(version, run_id, best_metrics, len(history), classes, history[-1]["checksum"])
+
+
+def _data_config(cfg: TrainConfig) -> ray.train.DataConfig:
+    """Ray Train leaves Ray Data the cluster minus the training workers' resources; an elastic group
+    is counted at its maximum, which can leave Data nothing (and the run hung) before the group ever
+    grows. Elastic runs leave Data what the smallest group would leave; Ray's scheduler still
+    places Data's quarter-CPU tasks only where CPUs are really free."""
+    import ray
+    from ray.data import ExecutionOptions, ExecutionResources
+
+    if not isinstance(cfg.num_workers, tuple):
+        return ray.train.DataConfig()
+    guaranteed = cfg.num_workers[0] * (0 if cfg.use_gpu else cfg.cpus_per_worker)
+    data_cpus = max(0.25, ray.cluster_resources().get("CPU", 1) - guaranteed)
+    return ray.train.DataConfig(execution_options=ExecutionOptions(resource_limits=ExecutionResources(cpu=data_cpus)))
 
 
 def promote_if_better(settings: Settings, version: str, accuracy: float, val_ds, card) -> bool:

@@ -39,6 +39,18 @@ def test_training_learns_and_registers_lineage(trained):
 
 
 @pytest.mark.slow
+def test_elastic_worker_group_starts_with_what_fits(trained):
+    """`--num-workers 1-4` at 0.8 CPU a worker on 2 logical CPUs: Ray Train starts the 2 that fit."""
+    from app.config import TrainConfig
+    from app.train import train
+
+    settings, _, _, _, _ = trained
+    report = train(settings, TrainConfig(epochs=1, num_workers="1-4", cpus_per_worker=0.8, batch_size=32,
+                                         max_failures=0, run_name="elastic"))
+    assert report.metrics["workers"] == 2, report.metrics
+
+
+@pytest.mark.slow
 def test_same_seed_same_metrics(trained):
     from app.train import train
 
