@@ -231,7 +231,8 @@ def build_datasets(settings: Settings, manifests: list[dict], classes: list[str]
         # select_columns op would schedule 1-CPU tasks that a busy small cluster never fits.
         def keep(batch):
             rows = np.isin(batch["label"], classes) & ((batch["event_time"] >= cutoff) == newest)
-            return {column: batch[column][rows], "label_index": encode_labels(batch["label"][rows], classes)}
+            if rows.any():  # an empty tensor column would not convert to Arrow
+                yield {column: batch[column][rows], "label_index": encode_labels(batch["label"][rows], classes)}
 
         return dataset.map_batches(keep, batch_format="numpy", num_cpus=0.25)
 

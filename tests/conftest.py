@@ -45,7 +45,7 @@ def ray_cluster():
 def _samples(metrics_port: int, names) -> dict[str, list[str]]:
     import requests
 
-    text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text
     return {n: [l for l in text.splitlines() if l.startswith(n + "{") or l.startswith(n + " ")] for n in names}
 
 
@@ -74,9 +74,14 @@ class MetricsWatcher:
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self) -> None:
+        import requests
+
         while True:
-            for name, lines in _samples(self.metrics_port, self.names).items():
-                self.seen[name] += lines
+            try:
+                for name, lines in _samples(self.metrics_port, self.names).items():
+                    self.seen[name] += lines
+            except requests.RequestException:  # a busy agent answers late; the next poll catches up
+                pass
             if self._stop.wait(0.5):
                 return
 
@@ -85,6 +90,10 @@ class MetricsWatcher:
         return self
 
     def __exit__(self, *exc) -> None:
+        # What was set just before the block ended is exported within one report interval.
+        deadline = time.monotonic() + 5
+        while not all(self.seen.values()) and time.monotonic() < deadline:
+            time.sleep(0.25)
         self._stop.set()
         self._thread.join()
 

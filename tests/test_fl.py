@@ -32,13 +32,16 @@ def _schemas(report, message_type):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_rounds_learn_on_non_iid_users_register_and_resume(trained):
+def test_rounds_learn_on_non_iid_users_register_and_resume(trained, ray_cluster):
     import mlflow
+
+    from conftest import MetricsWatcher
 
     settings, snapshot, _, _, _ = trained
     cfg = fl.FederateConfig(rounds=2, clients=4, clients_per_round=4, local_epochs=1, batch_size=16, lr=0.05,
                             augment=False, seed=3, num_cpus_per_client=1.0, run_name="fl-learn")
-    report = fl.federate(settings, cfg)
+    with MetricsWatcher(ray_cluster, "ray_argus_fl_round_seconds", "ray_argus_fl_round_bytes") as watcher:
+        report = fl.federate(settings, cfg)
 
     assert [row["round"] for row in report.history] == [1, 2]
     assert all(row["updates_accepted"] == 4 and row["clients_failed"] == 0 for row in report.history)
@@ -68,6 +71,7 @@ def test_rounds_learn_on_non_iid_users_register_and_resume(trained):
     assert run.data.params["dp_clip"] == "None" and run.data.params["snapshots"] == snapshot.snapshot_id
     assert {"curves.png", "history.json", "model"} <= {a.path for a in client.list_artifacts(report.run_id)}
     assert len(client.get_metric_history(report.run_id, "val_accuracy")) == 2
+    assert all(any('run="fl-learn"' in line for line in lines) for lines in watcher.seen.values()), watcher.seen
 
     again = fl.federate(settings, dataclasses.replace(cfg, rounds=3))
     assert (again.resumed_from, again.rounds_run) == (2, 1)
