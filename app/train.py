@@ -317,10 +317,10 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
 
 
 def _data_config(cfg: TrainConfig) -> ray.train.DataConfig:
-    """Ray Train leaves Ray Data the cluster minus the training workers' resources; an elastic group
-    is counted at its maximum, which can leave Data nothing (and the run hung) before the group ever
-    grows. Elastic runs leave Data what the smallest group would leave; Ray's scheduler still
-    places Data's quarter-CPU tasks only where CPUs are really free."""
+    """Ray Train leaves Ray Data the cluster minus the training workers' resources, counting an
+    elastic group at its maximum: `1-4` at 0.8 CPU on 2 CPUs would leave Data nothing. Elastic runs
+    leave Data what the smallest group would leave; Ray's scheduler still places Data's
+    quarter-CPU tasks only where CPUs are really free."""
     import ray
     from ray.data import ExecutionOptions, ExecutionResources
 
