@@ -106,3 +106,13 @@ def test_ingest_and_train_as_jobs_then_a_retraining_job(head_node, broker, tmp_p
     assert comparison, logs[-3000:]
     new, old = map(float, comparison.groups())
     assert registry.resolve(settings.tracking_uri, settings.model_name, "champion") == ("2" if new > old else "1")
+
+    # Federated fine-tuning as a job: Flower's clients run on the job's cluster, which outlives it.
+    logs = wait_for_job(head_node, submit(head_node, "federate", *common, "--rounds", "1", "--clients", "2",
+                                          "--clients-per-round", "2", "--init-from", "champion"))
+    assert "registered v3" in logs and "after 1 rounds" in logs, logs[-3000:]
+    loaded = registry.load(settings.tracking_uri, settings.model_name, "3")
+    assert loaded.card.training_kind == "federated"
+    from ray.job_submission import JobSubmissionClient
+
+    assert len(JobSubmissionClient(head_node).list_jobs()) == 4  # the head node still serves
