@@ -64,8 +64,8 @@ def scrape(metrics_port: int, *names: str, timeout_s: float = 45) -> dict[str, l
 
 class MetricsWatcher:
     """Scrapes Ray's Prometheus endpoint in a thread for as long as the `with` block runs and keeps
-    every sample of the named metrics. Ray exports a process's gauges only while it lives, and a
-    scrape consumes them, so gauges set by Ray Train's workers are seen only while training runs."""
+    every sample of the named metrics. Ray 2.55 exports a gauge once per `set` and its endpoint
+    drops it at the first scrape after, so a gauge is seen only by watching while the work runs."""
 
     def __init__(self, metrics_port: int, *names: str):
         self.metrics_port, self.names = metrics_port, names
