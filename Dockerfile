@@ -26,3 +26,7 @@ RUN pip install --no-cache-dir ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} 
         . "ray[data,train,serve]==${RAY_VERSION}"
 
 ENV PYTHONUNBUFFERED=1
+# Serve's throughput mode without direct ingress (app/cluster.py: SERVE_ENV; a test keeps them equal).
+ENV RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
+    RAY_SERVE_ENABLE_DIRECT_INGRESS=0 \
+    RAY_SERVE_PROXY_USE_GRPC=1

@@ -53,6 +53,7 @@ def _add_ingest(parser) -> None:
     parser.add_argument("--weights", help="local path of backbone weights (default: random, with a warning)")
     parser.add_argument("--use-gpu", action="store_true", default=None, help="preprocess on GPU actors")
     parser.add_argument("--concurrency", type=int, help="preprocessing actors (default 1)")
+    parser.add_argument("--decode-threads", type=int, help="image-decoding threads per actor (default 2)")
 
 
 def _add_train(parser) -> None:
@@ -132,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--epochs", type=int, default=3)
     demo.add_argument("--rounds", type=int, default=3, help="federated rounds (default 3)")
     demo.add_argument("--http-port", type=int, default=8000)
+    demo.add_argument("--hold", action="store_true",
+                      help="keep Ray's dashboard and the Serve endpoint up at the end until Ctrl-C")
     broker = command("broker", "run the embedded Kafka-compatible broker in the foreground")
     broker.add_argument("--port", type=int, default=9092)
     command("produce", "publish records: --synthetic N or --from-dir DIR", _add_produce)

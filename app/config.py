@@ -153,6 +153,8 @@ class IngestConfig:
     """Run preprocessing actors on GPUs (resize/normalise and features there)."""
     concurrency: int = 1
     """Preprocessing actors in the pool."""
+    decode_threads: int = 2
+    """Threads decoding images in each preprocessing actor (Pillow releases the GIL while decoding)."""
     batch_size: int = 64
     """Records per map_batches call."""
     records_per_block: int = 512
@@ -163,6 +165,7 @@ class IngestConfig:
         _require(self.allowed_lateness_s >= 0, "--allowed-lateness-s must be >= 0")
         _require(self.features in (None, "resnet50"), f"--features must be resnet50, got {self.features!r}")
         _require(self.concurrency >= 1, "--concurrency must be >= 1")
+        _require(self.decode_threads >= 1, "--decode-threads must be >= 1")
         _require(self.batch_size >= 1, "--batch-size must be >= 1")
 
 

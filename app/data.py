@@ -19,6 +19,7 @@ import os
 import time
 import uuid
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -79,19 +80,34 @@ def decode_image(value: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Imag
 def normalize(images: list[torch.Tensor], size: int, device: str | torch.device = "cpu") -> torch.Tensor:
     """uint8 HWC images → float32 [N, 3, size, size]: resize (bilinear, antialiased), ImageNet-normalise.
 
-    Resizes while the pixels are still uint8 (torchvision's vectorised integer path, several times
-    faster than resizing float copies) and normalises the whole batch in one op. Runs where the
-    tensors are sent, so GPU actors do the resize and normalisation on the GPU.
+    Resizes while the pixels are still uint8 (torch's vectorised integer path, several times faster
+    than resizing float copies) and normalises the whole batch in one op. Runs where the tensors
+    are sent, so GPU actors do the resize and normalisation on the GPU.
     """
     import torch
-    import torchvision.transforms.v2.functional as F
 
     resized = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=device)
     for i, image in enumerate(images):
-        resized[i] = F.resize(image.to(device, non_blocking=True).permute(2, 0, 1), [size, size], antialias=True)
+        resized[i] = resize_uint8(image.to(device, non_blocking=True).permute(2, 0, 1), size)
     mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
     std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
     return resized.float().sub_(mean).div_(std)
+
+
+def resize_uint8(image: torch.Tensor, size: int) -> torch.Tensor:
+    """uint8 [3, H, W] → uint8 [3, size, size], bilinear with antialiasing: what torchvision's
+    `resize` computes, with torch alone (importing torchvision costs each worker ~3 s). On CPU torch
+    resizes uint8 natively (vectorised); elsewhere it resizes a float copy and rounds back."""
+    import torch
+    import torch.nn.functional as F
+
+    if image.shape[-2:] == (size, size):
+        return image
+    batch = image.unsqueeze(0)
+    if image.device.type == "cpu":
+        return F.interpolate(batch, size=[size, size], mode="bilinear", align_corners=False, antialias=True)[0]
+    resized = F.interpolate(batch.float(), size=[size, size], mode="bilinear", align_corners=False, antialias=True)
+    return resized.round_().to(torch.uint8)[0]
 
 
 def preprocess(values: Sequence[bytes], size: int, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -451,13 +467,24 @@ def streaming_blocks(max_block_bytes: int = MAX_BLOCK_BYTES) -> Iterator[None]:
 # ---------------------------------------------------------------- preprocessing actors
 
 
+def _decode_or_error(value: bytes) -> torch.Tensor | str:
+    """uint8 HWC pixels, or why the bytes are not an image (a dead letter's `error`)."""
+    try:
+        return pil_to_uint8(decode_image(value))
+    except BadImage as exc:
+        return str(exc)
+
+
 class Preprocessor:
     """Actor-pool UDF: raw Kafka rows → cleaned, normalised rows with an `error` for dead letters."""
 
     def __init__(self, image_size: int, classes: Sequence[str] | None, max_record_bytes: int,
-                 features: str | None = None, weights: str | None = None):
+                 features: str | None = None, weights: str | None = None, decode_threads: int = 2):
         import torch
 
+        # Decoding dominates on CPU (~0.8 ms a 128 px PNG against ~0.15 ms to resize and normalise)
+        # and Pillow releases the GIL while it decodes, so one actor decodes a batch in threads.
+        self.decoder = ThreadPoolExecutor(decode_threads, thread_name_prefix="decode") if decode_threads > 1 else None
         self.image_size = image_size
         self.classes = set(classes) if classes else None
         self.max_record_bytes = max_record_bytes
@@ -479,17 +506,18 @@ class Preprocessor:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         n = len(batch["offset"])
-        errors: list[str | None] = [None] * n
+        errors = [self._problem(batch["value"][i], batch["label"][i], batch["header_error"][i]) for i in range(n)]
+        candidates = [i for i in range(n) if errors[i] is None]
+        values = [batch["value"][i] for i in candidates]
+        pixels = self.decoder.map(_decode_or_error, values) if self.decoder else map(_decode_or_error, values)
         decoded: list[torch.Tensor] = []
         good = []
-        for i in range(n):
-            errors[i] = self._problem(batch["value"][i], batch["label"][i], batch["header_error"][i])
-            if errors[i] is None:
-                try:
-                    decoded.append(pil_to_uint8(decode_image(batch["value"][i])))
-                    good.append(i)
-                except BadImage as exc:
-                    errors[i] = str(exc)
+        for i, result in zip(candidates, pixels):
+            if isinstance(result, str):
+                errors[i] = result
+            else:
+                decoded.append(result)
+                good.append(i)
         images = np.zeros((n, 3, self.image_size, self.image_size), dtype=np.float32)
         if good:
             tensors = normalize(decoded, self.image_size, self.device)
@@ -717,7 +745,7 @@ def _clean_staging(fs: pafs.FileSystem, snapshots_root: str) -> None:
 
 def ingest(settings: Settings, cfg: IngestConfig, bootstrap_servers: str) -> IngestReport:
     """`python -m app ingest`: one bounded, exactly-once read of the topic into a new snapshot."""
-    import ray
+    import ray.data
 
     started = time.perf_counter()
     ensure_topics(bootstrap_servers, [settings.topic, settings.dlq_topic], settings.partitions)
@@ -750,8 +778,8 @@ def ingest(settings: Settings, cfg: IngestConfig, bootstrap_servers: str) -> Ing
             Preprocessor,
             fn_constructor_kwargs=dict(image_size=settings.image_size, classes=settings.classes,
                                        max_record_bytes=cfg.max_record_bytes, features=cfg.features,
-                                       weights=cfg.weights),
-            batch_size=cfg.batch_size, concurrency=cfg.concurrency, batch_format="numpy",
+                                       weights=cfg.weights, decode_threads=cfg.decode_threads),
+            batch_size=cfg.batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=cfg.concurrency),
             num_cpus=0 if cfg.use_gpu else 1, num_gpus=1 if cfg.use_gpu else 0,
         )
     sink = SnapshotSink(staging_uri, bootstrap_servers, settings.topic, settings.dlq_topic)

@@ -3,14 +3,16 @@
 Embedded broker → synthetic records → Ray Data ingest → snapshot → Ray Train (2 CPU workers,
 small CNN, 64 px) → MLflow registry → Ray Serve on 127.0.0.1 → predictions over HTTP →
 federated fine-tuning (Flower clients on Ray actors) → a rollout to the federated version under
-steady traffic, counting failed requests. It uses `<storage>/demo` as its own sandbox and stops
-everything it started.
+steady traffic, counting failed requests. The Ray dashboard runs alongside (its URL is printed
+first); `--hold` keeps the dashboard and the endpoint up at the end until Ctrl-C. It uses
+`<storage>/demo` as its own sandbox and stops everything it started.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import shutil
+import signal
 import threading
 import time
 
@@ -52,6 +54,7 @@ def run_demo(settings: Settings, args) -> int:
     settings.local_storage_path.mkdir(parents=True, exist_ok=True)
     timings = {}
     started = time.perf_counter()
+    held_s = 0.0
 
     broker = None
     bootstrap = settings.bootstrap_servers
@@ -66,9 +69,9 @@ def run_demo(settings: Settings, args) -> int:
         print(produce(settings, ProduceConfig(synthetic=args.records, seed=7), bootstrap))
         timings["produce"] = time.perf_counter() - t
 
-        # No dashboard here: on a loaded 2-core machine its start can time out and fail ray.init;
-        # the README shows the stages as jobs on `ray start --head`, dashboard included.
-        with ray_session(settings):
+        with ray_session(settings, dashboard=True) as dashboard_url:
+            print(f"Ray dashboard: {dashboard_url or 'not started (see the warning above)'} — jobs, actors, "
+                  "Ray Data operators, Train workers and Serve replicas, live while the demo runs", flush=True)
             t = _step("ingesting with Ray Data: Kafka → preprocess → Parquet snapshot")
             print(ingest(settings, IngestConfig(), bootstrap))
             timings["ingest"] = time.perf_counter() - t
@@ -109,20 +112,46 @@ def run_demo(settings: Settings, args) -> int:
             print(f"{len(answers)} requests during the rollout, {failed} failed; versions served in order: "
                   f"{' → '.join(dict.fromkeys(served))}")
             timings["rollout"] = time.perf_counter() - t
+            if args.hold:
+                held_s = _hold(url, dashboard_url)
             from ray import serve
 
             serve.shutdown()
     finally:
         if broker is not None:
             broker.stop()
-    total = time.perf_counter() - started
+    total = time.perf_counter() - started - held_s
     print("\n== done in {:.0f}s ({})".format(total, ", ".join(f"{k} {v:.0f}s" for k, v in timings.items())))
     print(f"snapshots and checkpoints: {settings.local_storage_path}")
-    print("Ray dashboard: run the stages as jobs on `ray start --head` (README, 'Running on a Ray cluster'), "
-          "then open http://127.0.0.1:8265")
-    print(f"training curves: MLflow UI, `mlflow ui --backend-store-uri {settings.tracking_uri}` "
-          "(each run's curves.png artifact)")
+    if not args.hold:
+        print("Ray dashboard and Serve stopped with the demo: `python -m app demo --hold` keeps them up, or run "
+              "the stages as jobs on `ray start --head` (README, 'Running on a Ray cluster')")
+    print(f"MLflow UI: `mlflow ui --backend-store-uri {settings.tracking_uri}` (runs, metrics, registered versions)")
+    curves = sorted(settings.local_storage_path.glob("mlartifacts/*/artifacts/curves.png"), key=lambda p: p.stat().st_mtime)
+    for path in curves:  # the demo's sandbox holds its runs' artifacts: centralised training, then federated
+        print(f"curves: {path}")
     return 0
+
+
+def _hold(url: str, dashboard_url: str | None) -> float:
+    """`--hold`: keep Ray, its dashboard and the Serve endpoint up until Ctrl-C or SIGTERM; return
+    the seconds held."""
+    def stop(_signum, _frame):
+        raise KeyboardInterrupt
+
+    # Both set here: libraries loaded on the way (Flower's among them) install their own handlers.
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    started = time.perf_counter()
+    print(f"\n== holding until Ctrl-C: Ray dashboard {dashboard_url or '(not started)'}, "
+          f"POST {url}/predict, GET {url}/model", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        print("stopping Serve, Ray and the broker", flush=True)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return time.perf_counter() - started
 
 
 def _rollout_under_traffic(settings: Settings, url: str, image: bytes, version: str) -> list[tuple[int, str]]:

@@ -37,6 +37,9 @@ def local_ray(num_cpus: int = 2) -> Iterator[None]:
     """A private local Ray sized like the CI machine; shut down on exit."""
     import ray
 
+    from app.cluster import apply_serve_env
+
+    apply_serve_env()  # Serve as Argus runs it
     for attempt in range(3):
         try:
             ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False,

@@ -155,8 +155,9 @@ def ray_preprocess(values: list[bytes], labels: list[str], image_size: int, conc
     dataset = ray.data.from_arrow(blocks).map_batches(
         _timed_preprocessor(),
         fn_constructor_kwargs=dict(image_size=image_size, classes=None, max_record_bytes=cfg.max_record_bytes,
-                                   features=None, weights=None),
-        batch_size=cfg.batch_size, concurrency=cfg.concurrency, batch_format="numpy", num_cpus=1, num_gpus=0,
+                                   features=None, weights=None, decode_threads=cfg.decode_threads),
+        batch_size=cfg.batch_size, compute=ray.data.ActorPoolStrategy(size=cfg.concurrency), batch_format="numpy",
+        num_cpus=1, num_gpus=0,
     )
     rows, first, last = 0, float("inf"), 0.0
     for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):

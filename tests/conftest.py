@@ -33,7 +33,9 @@ def ray_cluster():
     import ray
 
     from app.broker import free_port
+    from app.cluster import apply_serve_env
 
+    apply_serve_env()  # Serve as Argus runs it
     metrics_port = free_port()
     # Processes export metrics every second rather than every ten, so short tests see them.
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, _metrics_export_port=metrics_port,

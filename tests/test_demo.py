@@ -1,23 +1,76 @@
-"""`python -m app demo` end to end, as `make demo` runs it (small, so CI can afford it)."""
+"""`python -m app demo` end to end, as `make demo` runs it (small, so CI can afford it), held at the
+end so the test can see the dashboard and the endpoint live, then stopped with Ctrl-C."""
 import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
+import ray
+import requests
 
 from app import synth
 from app.broker import free_port
-from conftest import run_cli
+from conftest import ROOT, child_env
+
+
+def _wait_for_line(lines: list[str], pattern: str, process: subprocess.Popen, timeout_s: float) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in list(lines):
+            if match := re.search(pattern, line):
+                return match
+        if process.poll() is not None:
+            break
+        time.sleep(0.5)
+    raise AssertionError(f"no line matching {pattern!r}; output so far:\n" + "".join(lines)[-3000:])
 
 
 @pytest.mark.slow
-def test_demo_serves_predictions_and_rolls_out_the_federated_version(tmp_path):
-    result = run_cli("demo", "--storage", str(tmp_path), "--records", "360", "--epochs", "1", "--rounds", "2",
-                     "--http-port", str(free_port()), timeout=1200)
-    assert result.returncode == 0, result.stderr[-3000:]
-    match = re.search(r"→ 200 label='([a-z_]+)' model_version=(\d+)", result.stdout)
-    assert match, result.stdout[-3000:]
+def test_demo_serves_predictions_rolls_out_and_shows_the_dashboard(tmp_path):
+    http_port = free_port()
+    stderr = open(tmp_path / "demo.stderr", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "app", "demo", "--storage", str(tmp_path), "--records", "360", "--epochs", "1",
+         "--rounds", "2", "--http-port", str(http_port), "--hold"],
+        stdout=subprocess.PIPE, stderr=stderr, text=True, env=child_env(PYTHONPATH=str(ROOT)), cwd=ROOT)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        dashboard = _wait_for_line(lines, r"Ray dashboard: (http://127\.0\.0\.1:\d+)", process, 300).group(1)
+        _wait_for_line(lines, r"== holding until Ctrl-C", process, 1200)
+
+        # While held: the dashboard is this Ray's and lists the Serve application; the endpoint answers.
+        version = requests.get(f"{dashboard}/api/version", timeout=30).json()
+        assert version["ray_version"] == ray.__version__
+        applications = requests.get(f"{dashboard}/api/serve/applications/", timeout=30).json()["applications"]
+        assert applications["argus"]["status"] == "RUNNING"
+        sample = next(synth.generate(1, seed=3, size=64))
+        answer = requests.post(f"http://127.0.0.1:{http_port}/predict", data=sample.value,
+                               headers={"Content-Type": "image/png"}, timeout=30)
+        assert answer.status_code == 200 and answer.json()["model_version"] == "2"
+
+        process.send_signal(signal.SIGINT)
+        assert process.wait(120) == 0, (tmp_path / "demo.stderr").read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+        stderr.close()
+    reader.join(30)
+    output = "".join(lines)
+    match = re.search(r"→ 200 label='([a-z_]+)' model_version=(\d+)", output)
+    assert match, output[-3000:]
     assert match.group(1) in synth.DEFAULT_CLASSES and match.group(2) == "1"
-    rollout = re.search(r"(\d+) requests during the rollout, (\d+) failed; versions served in order: (.+)",
-                        result.stdout)
-    assert rollout, result.stdout[-3000:]
+    rollout = re.search(r"(\d+) requests during the rollout, (\d+) failed; versions served in order: (.+)", output)
+    assert rollout, output[-3000:]
     assert int(rollout.group(1)) > 0 and rollout.group(2) == "0" and rollout.group(3).strip() == "1 → 2"
-    assert "== done in" in result.stdout
+    assert "stopping Serve, Ray and the broker" in output and "== done in" in output
+    curves = re.findall(r"^curves: (.+\.png)$", output, re.M)
+    assert len(curves) == 2 and all(Path(c).stat().st_size > 0 for c in curves), curves  # train, then federate
+    with pytest.raises(requests.ConnectionError):  # everything it started, it stopped
+        requests.get(f"{dashboard}/api/version", timeout=5)

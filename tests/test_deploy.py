@@ -378,6 +378,20 @@ def test_ray_version_pinned_everywhere():
     assert pins and set(pins) == {version}, pins
 
 
+def test_every_node_runs_serve_with_the_apps_serve_env():
+    """The Serve settings local clusters get (app/cluster.py) are those of the image and cluster.yaml."""
+    from app.cluster import SERVE_ENV
+
+    dockerfile = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
+    image_env = dict(re.findall(r"\b(RAY_SERVE_\w+)=(\S+)", " ".join(re.findall(r"^ENV (.+)$", dockerfile, re.M))))
+    assert image_env == SERVE_ENV
+    launcher = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        (start,) = [c for c in launcher[key] if "ray start" in c]
+        exported = dict(re.findall(r"\b(RAY_SERVE_\w+)=(\S+?);?(?=\s|$)", start.split("ray start")[0]))
+        assert exported == SERVE_ENV, (key, exported)
+
+
 def test_dockerignore_keeps_context_small():
     ignored = set((REPO / ".dockerignore").read_text().split())
     assert {".venv", "argus-data", ".git"} <= ignored

@@ -16,6 +16,7 @@ import pytest
 
 from app import registry
 from app.broker import free_port
+from app.cluster import SERVE_ENV
 from app.config import ProduceConfig, Settings
 from app.data import list_manifests, produce
 from conftest import ROOT, TEST_IMAGE_SIZE, child_env
@@ -28,7 +29,7 @@ def head_node(tmp_path_factory):
     """`ray start --head --block` in its own process group, stopped by that group's PID."""
     dashboard_port = free_port()
     temp_dir = f"/tmp/argus-ray-{uuid.uuid4().hex[:6]}"  # short: Ray's socket paths have a length limit
-    env = child_env(PATH=f"{VENV_BIN}:{os.environ['PATH']}", RAY_USAGE_STATS_ENABLED="0")
+    env = child_env(PATH=f"{VENV_BIN}:{os.environ['PATH']}", RAY_USAGE_STATS_ENABLED="0", **SERVE_ENV)
     process = subprocess.Popen(
         [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", "--num-cpus=2",
