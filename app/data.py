@@ -77,8 +77,8 @@ def decode_image(value: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Imag
         raise BadImage(f"undecodable image: {exc}") from exc
 
 
-def normalize(images: list[torch.Tensor], size: int, device: str | torch.device = "cpu") -> torch.Tensor:
-    """uint8 HWC images → float32 [N, 3, size, size]: resize (bilinear, antialiased), ImageNet-normalise.
+def normalize(images: Sequence[np.ndarray], size: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """uint8 HWC pixels → float32 [N, 3, size, size]: resize (bilinear, antialiased), ImageNet-normalise.
 
     Resizes while the pixels are still uint8 (torch's vectorised integer path, several times faster
     than resizing float copies) and normalises the whole batch in one op. Runs where the tensors
@@ -88,7 +88,7 @@ def normalize(images: list[torch.Tensor], size: int, device: str | torch.device 
 
     resized = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=device)
     for i, image in enumerate(images):
-        resized[i] = resize_uint8(image.to(device, non_blocking=True).permute(2, 0, 1), size)
+        resized[i] = resize_uint8(torch.from_numpy(image).to(device, non_blocking=True).permute(2, 0, 1), size)
     mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
     std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
     return resized.float().sub_(mean).div_(std)
@@ -112,13 +112,15 @@ def resize_uint8(image: torch.Tensor, size: int) -> torch.Tensor:
 
 def preprocess(values: Sequence[bytes], size: int, device: str | torch.device = "cpu") -> torch.Tensor:
     """The one transform: encoded image bytes → normalised [N, 3, size, size] (raises BadImage)."""
-    return normalize([pil_to_uint8(decode_image(v)) for v in values], size, device)
+    return normalize([decode_pixels(v) for v in values], size, device)
 
 
-def pil_to_uint8(image: Image.Image) -> torch.Tensor:
-    import torch
+def decode_pixels(value: bytes) -> np.ndarray:
+    """Encoded bytes → uint8 HWC pixels: the decode half of the transform (raises BadImage).
 
-    return torch.from_numpy(np.array(image))  # one writable copy; asarray(dtype=...).copy() is 4x slower
+    numpy, not torch, so decoding never waits for torch's import (see `Preprocessor`). np.array
+    makes the one writable copy torch.from_numpy needs; asarray(...).copy() is 4x slower."""
+    return np.array(decode_image(value))
 
 
 def image_statistics(tensor: torch.Tensor) -> dict[str, float]:
@@ -467,12 +469,18 @@ def streaming_blocks(max_block_bytes: int = MAX_BLOCK_BYTES) -> Iterator[None]:
 # ---------------------------------------------------------------- preprocessing actors
 
 
-def _decode_or_error(value: bytes) -> torch.Tensor | str:
+def _decode_or_error(value: bytes) -> np.ndarray | str:
     """uint8 HWC pixels, or why the bytes are not an image (a dead letter's `error`)."""
     try:
-        return pil_to_uint8(decode_image(value))
+        return decode_pixels(value)
     except BadImage as exc:
         return str(exc)
+
+
+def _torch_device() -> torch.device:
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class Preprocessor:
@@ -480,20 +488,20 @@ class Preprocessor:
 
     def __init__(self, image_size: int, classes: Sequence[str] | None, max_record_bytes: int,
                  features: str | None = None, weights: str | None = None, decode_threads: int = 2):
-        import torch
-
-        # Decoding dominates on CPU (~0.8 ms a 128 px PNG against ~0.15 ms to resize and normalise)
-        # and Pillow releases the GIL while it decodes, so one actor decodes a batch in threads.
+        # Decoding dominates on CPU (~0.4–0.8 ms a 128 px PNG against ~0.15 ms to resize and
+        # normalise) and Pillow releases the GIL while it decodes, so one actor decodes a batch in threads.
         self.decoder = ThreadPoolExecutor(decode_threads, thread_name_prefix="decode") if decode_threads > 1 else None
+        # Importing torch takes a new actor 1–1.5 s; it runs while the first batch decodes, which
+        # needs only Pillow and numpy (each ingest, and each `watch` micro-batch, starts new actors).
+        self._device_future = ThreadPoolExecutor(1, thread_name_prefix="import-torch").submit(_torch_device)
         self.image_size = image_size
         self.classes = set(classes) if classes else None
         self.max_record_bytes = max_record_bytes
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.backbone = None
         if features == "resnet50":
             from app.model import feature_backbone
 
-            self.backbone = feature_backbone(weights).to(self.device).eval()
+            self.backbone = feature_backbone(weights).to(self._device_future.result()).eval()
 
     def _problem(self, row_value: bytes, label: str | None, header_error: str | None) -> str | None:
         if header_error:
@@ -510,7 +518,7 @@ class Preprocessor:
         candidates = [i for i in range(n) if errors[i] is None]
         values = [batch["value"][i] for i in candidates]
         pixels = self.decoder.map(_decode_or_error, values) if self.decoder else map(_decode_or_error, values)
-        decoded: list[torch.Tensor] = []
+        decoded: list[np.ndarray] = []
         good = []
         for i, result in zip(candidates, pixels):
             if isinstance(result, str):
@@ -518,10 +526,14 @@ class Preprocessor:
             else:
                 decoded.append(result)
                 good.append(i)
-        images = np.zeros((n, 3, self.image_size, self.image_size), dtype=np.float32)
+        all_good = bool(good) and len(good) == n
+        images = None if all_good else np.zeros((n, 3, self.image_size, self.image_size), dtype=np.float32)
         if good:
-            tensors = normalize(decoded, self.image_size, self.device)
-            images[good] = tensors.cpu().numpy()
+            tensors = normalize(decoded, self.image_size, self._device_future.result())
+            if images is None:
+                images = tensors.cpu().numpy()  # every row good (the usual case): no scatter copy
+            else:
+                images[good] = tensors.cpu().numpy()  # dead letters keep a zero image
             if self.backbone is not None:
                 import torch
 

@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import metrics, registry
 from app.config import DEFAULT_MODEL_NAME
-from app.data import BadImage, decode_image, image_statistics, normalize, pil_to_uint8
+from app.data import BadImage, decode_pixels, image_statistics, normalize
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ async def _read_image_bytes(request: Request, max_body_bytes: int) -> bytes:
     return bytes(body)
 
 
-def infer(items: list[tuple[torch.Tensor, registry.LoadedModel]]) -> list[tuple[dict, torch.Tensor]]:
+def infer(items: list[tuple[np.ndarray, registry.LoadedModel]]) -> list[tuple[dict, torch.Tensor]]:
     """Resize, normalise and classify a batch of decoded images, one forward pass per model version
     present in the batch; returns each request's answer with its transformed image.
 
@@ -111,11 +112,6 @@ def infer(items: list[tuple[torch.Tensor, registry.LoadedModel]]) -> list[tuple[
             results[i] = ({"label": loaded.card.classes[best], "scores": dict(zip(loaded.card.classes, row)),
                            "model_version": loaded.version}, tensor)
     return results
-
-
-def decode_pixels(value: bytes) -> torch.Tensor:
-    """Encoded bytes → uint8 HWC pixels: the decode half of the shared transform (raises BadImage)."""
-    return pil_to_uint8(decode_image(value))
 
 
 class TrafficLog:
@@ -218,7 +214,7 @@ class ArgusModel:
         return JSONResponse(answer)
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
-    async def predict_batch(self, items: list[tuple[torch.Tensor, registry.LoadedModel]]) -> list[tuple]:
+    async def predict_batch(self, items: list[tuple[np.ndarray, registry.LoadedModel]]) -> list[tuple]:
         # On the event loop, not in a thread: requests queue while the model runs, so the next batch
         # is fuller (measured: a worker thread here made batches smaller and throughput lower).
         return infer(items)
