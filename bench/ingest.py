@@ -12,9 +12,9 @@
    `multiprocessing.Pool(2)` decoding with Pillow, resizing (bilinear, antialiased) and
    normalising with numpy, over the same encoded images: Ray's input blocks already in the object
    store (where ingest's read tasks leave them), the Pool's in its parent's memory. Wall time
-   includes pool/actor start on both sides (the goal's ratio); a busy-window rate (first batch start to last batch end, timed
-   inside the workers: a subclass of `Preprocessor` that only adds two timestamp columns) is printed
-   too. Goal ≥ 1.0×. The plain in-process `preprocess()` rate (1 and 2 torch threads) is printed
+   includes pool/actor start on both sides (the goal's ratio); a busy-window rate (first batch
+   start to last batch end, timed inside the workers: a subclass of `Preprocessor` that only adds
+   two timestamp columns) is printed too. Goal ≥ 1.0×. The plain in-process `preprocess()` rate (1 and 2 torch threads) is printed
    for reference.
 3. memory: `python -m app ingest --image-size 32` in a child process over a topic of S and of L
    records (32 px synthetic images), peak PSS summed over the whole process tree (driver, GCS,
