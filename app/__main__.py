@@ -52,8 +52,8 @@ def _add_ingest(parser) -> None:
     parser.add_argument("--features", choices=["resnet50"], help="add a 2048-d ResNet-50 feature column")
     parser.add_argument("--weights", help="local path of backbone weights (default: random, with a warning)")
     parser.add_argument("--use-gpu", action="store_true", default=None, help="preprocess on GPU actors")
-    parser.add_argument("--concurrency", type=int, help="preprocessing actors (default 1)")
-    parser.add_argument("--decode-threads", type=int, help="image-decoding threads per actor (default 2)")
+    parser.add_argument("--concurrency", type=int, help="most preprocessing actors (default: one per CPU, or per GPU)")
+    parser.add_argument("--decode-threads", type=int, help="decode threads per actor (default 1, CPUs per GPU on GPU)")
 
 
 def _add_train(parser) -> None:

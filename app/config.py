@@ -151,10 +151,11 @@ class IngestConfig:
     """Local path of backbone weights; absent means random initialisation, with a warning."""
     use_gpu: bool = False
     """Run preprocessing actors on GPUs (resize/normalise and features there)."""
-    concurrency: int = 1
-    """Preprocessing actors in the pool."""
-    decode_threads: int = 2
-    """Threads decoding images in each preprocessing actor (Pillow releases the GIL while decoding)."""
+    concurrency: int | None = None
+    """Most preprocessing actors in the pool; default one per cluster CPU (per GPU with `use_gpu`)."""
+    decode_threads: int | None = None
+    """Threads decoding images in each preprocessing actor; default 1 on CPU, where there is an actor
+    per core (more only contend for the GIL), and the cluster's CPUs per GPU for GPU actors."""
     batch_size: int = 64
     """Records per map_batches call."""
     records_per_block: int = 512
@@ -164,8 +165,8 @@ class IngestConfig:
         _require(self.max_record_bytes > 0, "--max-record-bytes must be > 0")
         _require(self.allowed_lateness_s >= 0, "--allowed-lateness-s must be >= 0")
         _require(self.features in (None, "resnet50"), f"--features must be resnet50, got {self.features!r}")
-        _require(self.concurrency >= 1, "--concurrency must be >= 1")
-        _require(self.decode_threads >= 1, "--decode-threads must be >= 1")
+        _require(self.concurrency is None or self.concurrency >= 1, "--concurrency must be >= 1")
+        _require(self.decode_threads is None or self.decode_threads >= 1, "--decode-threads must be >= 1")
         _require(self.batch_size >= 1, "--batch-size must be >= 1")
 
 

@@ -429,11 +429,17 @@ class KafkaRangeDatasource:
         return _KafkaRangeDatasource(*args, **kwargs)
 
 
+# Logical CPUs of the ingest stages. Per cluster CPU there is at most one Kafka read task, one
+# snapshot write task and one preprocessing actor: 0.25 + 0.25 + 0.5 = 1, so every stage can be
+# placed at once (a pool holding every CPU would leave the reads and writes unscheduled and hang)
+# while the OS shares the cores among them.
+IO_TASK_CPUS = 0.25
+PREPROCESS_ACTOR_CPUS = 0.5
+
+
 def io_concurrency() -> int:
-    """Kafka read and snapshot write tasks take a quarter CPU each, so they never starve the
-    preprocessing actors, and at most one of each kind runs per cluster CPU: more consumers than
-    cores only contend (with the broker too, where it shares the machine), and every extra task is
-    another worker process in memory."""
+    """At most one read and one write task per cluster CPU: more consumers than cores only contend
+    (with the broker too, where it shares the machine), and each task is a worker process in memory."""
     import ray
 
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
@@ -443,7 +449,7 @@ def read_ranges(source) -> ray.data.Dataset:
     """The Ray Data read of a KafkaRangeDatasource, as ingest runs it (inside `streaming_blocks`)."""
     import ray
 
-    return ray.data.read_datasource(source, ray_remote_args={"num_cpus": 0.25}, concurrency=io_concurrency(),
+    return ray.data.read_datasource(source, ray_remote_args={"num_cpus": IO_TASK_CPUS}, concurrency=io_concurrency(),
                                     override_num_blocks=source.read_task_count())
 
 
@@ -487,9 +493,9 @@ class Preprocessor:
     """Actor-pool UDF: raw Kafka rows → cleaned, normalised rows with an `error` for dead letters."""
 
     def __init__(self, image_size: int, classes: Sequence[str] | None, max_record_bytes: int,
-                 features: str | None = None, weights: str | None = None, decode_threads: int = 2):
-        # Decoding dominates on CPU (~0.4–0.8 ms a 128 px PNG against ~0.15 ms to resize and
-        # normalise) and Pillow releases the GIL while it decodes, so one actor decodes a batch in threads.
+                 features: str | None = None, weights: str | None = None, decode_threads: int = 1):
+        # Decoding dominates (~0.4–0.8 ms a 128 px PNG against ~0.15 ms to resize and normalise on
+        # CPU) and Pillow releases the GIL while it decodes, so a GPU actor, one per GPU, decodes in threads.
         self.decoder = ThreadPoolExecutor(decode_threads, thread_name_prefix="decode") if decode_threads > 1 else None
         # Importing torch takes a new actor 1–1.5 s; it runs while the first batch decodes, which
         # needs only Pillow and numpy (each ingest, and each `watch` micro-batch, starts new actors).
@@ -555,6 +561,40 @@ class Preprocessor:
 
 
 # ---------------------------------------------------------------- snapshot sink and ledger
+
+
+def preprocess_batches(dataset: ray.data.Dataset, settings: Settings, cfg: IngestConfig,
+                       preprocessor: type[Preprocessor] = Preprocessor) -> ray.data.Dataset:
+    """`dataset.map_batches(preprocessor)` in an actor pool sized as ingest runs it (the bench
+    passes a subclass that times its batches).
+
+    On CPU, one actor per core decoding in one thread: Pillow releases the GIL while it decodes,
+    but resize, normalise and Ray's batch handling do not, so an actor's extra decode threads
+    mostly wait for the GIL (measured: 2 actors × 1 thread ≈ 1.2× 1 actor × 2 threads on 2 cores).
+    On GPU, one actor per GPU, with the node's CPUs per GPU decoding for it. The pool starts with
+    one actor and grows while batches queue, so it never waits for CPUs that Serve or training hold.
+    """
+    import ray
+
+    resources = ray.cluster_resources()
+    cpus = max(1, int(resources.get("CPU", 1)))
+    if cfg.use_gpu:
+        if not resources.get("GPU"):
+            log.warning("--use-gpu: the Ray cluster has no GPU now; the preprocessing actors wait until "
+                        "the autoscaler adds a GPU node (a cluster that cannot will wait forever)")
+        gpus = max(1, int(resources.get("GPU", 1)))
+        actors, decode_threads, actor_resources = gpus, max(1, cpus // gpus), dict(num_cpus=0, num_gpus=1)
+    else:
+        actors, decode_threads, actor_resources = cpus, 1, dict(num_cpus=PREPROCESS_ACTOR_CPUS)
+    max_actors = cfg.concurrency or actors
+    return dataset.map_batches(
+        preprocessor,
+        fn_constructor_kwargs=dict(image_size=settings.image_size, classes=settings.classes,
+                                   max_record_bytes=cfg.max_record_bytes, features=cfg.features,
+                                   weights=cfg.weights, decode_threads=cfg.decode_threads or decode_threads),
+        batch_size=cfg.batch_size, batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max_actors), **actor_resources,
+    )
 
 
 def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
@@ -786,16 +826,9 @@ def ingest(settings: Settings, cfg: IngestConfig, bootstrap_servers: str) -> Ing
     source = KafkaRangeDatasource(bootstrap_servers, settings.topic, ranges, cfg.records_per_block,
                                   watermarks, int(cfg.allowed_lateness_s * 1000))
     with streaming_blocks():
-        dataset = read_ranges(source).map_batches(
-            Preprocessor,
-            fn_constructor_kwargs=dict(image_size=settings.image_size, classes=settings.classes,
-                                       max_record_bytes=cfg.max_record_bytes, features=cfg.features,
-                                       weights=cfg.weights, decode_threads=cfg.decode_threads),
-            batch_size=cfg.batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=cfg.concurrency),
-            num_cpus=0 if cfg.use_gpu else 1, num_gpus=1 if cfg.use_gpu else 0,
-        )
+        dataset = preprocess_batches(read_ranges(source), settings, cfg)
     sink = SnapshotSink(staging_uri, bootstrap_servers, settings.topic, settings.dlq_topic)
-    dataset.write_datasink(sink, ray_remote_args={"num_cpus": 0.25}, concurrency=io_concurrency())
+    dataset.write_datasink(sink, ray_remote_args={"num_cpus": IO_TASK_CPUS}, concurrency=io_concurrency())
     manifest = build_manifest(settings, cfg, snapshot_id, ranges, watermarks, sink.write_returns)
     _fault("after_write")
     _atomic_write(fs, f"{staging}/{MANIFEST}", json.dumps(manifest, indent=2, sort_keys=True).encode())
