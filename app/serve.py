@@ -104,7 +104,8 @@ def infer(items: list[tuple[np.ndarray, registry.LoadedModel]]) -> list[tuple[di
         by_version.setdefault(loaded.version, []).append(i)
     for indices in by_version.values():
         loaded = items[indices[0]][1]
-        inputs = normalize([items[i][0] for i in indices], loaded.card.image_size)
+        device = next(loaded.model.parameters()).device
+        inputs = normalize([items[i][0] for i in indices], loaded.card.image_size, device)
         with torch.inference_mode():
             probabilities = torch.softmax(loaded.model(inputs), dim=1)
         for i, tensor, row in zip(indices, inputs, probabilities.tolist()):
@@ -140,6 +141,8 @@ class ArgusModel:
                  max_body_bytes: int = 10 * 1024 * 1024, poll_s: float = 2.0, threads: int = 1,
                  traffic_dir: str | None = None):
         torch.set_num_threads(threads)
+        # A replica given `num_gpus` sees its GPU (Ray sets CUDA_VISIBLE_DEVICES); its models live there.
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.traffic = TrafficLog(traffic_dir) if traffic_dir else None
         self.mlflow_uri, self.model_name, self.alias = mlflow_uri, model_name, alias
         self.max_body_bytes = max_body_bytes
@@ -155,8 +158,10 @@ class ArgusModel:
         if version is None or (self.current and self.current.version == version):
             return
         loaded = registry.load(self.mlflow_uri, self.model_name, version)  # load first, then swap
+        loaded.model.to(self.device)
         previous, self.current = self.current, loaded
-        log.info("now serving %s v%s (was %s)", self.model_name, version, previous and previous.version)
+        log.info("now serving %s v%s on %s (was %s)", self.model_name, version, self.device,
+                 previous and previous.version)
 
     def _follow_alias(self, poll_s: float) -> None:
         while not self._stop.wait(poll_s):

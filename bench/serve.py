@@ -1,7 +1,7 @@
 """Serving benchmarks (issue #6): batching on vs off, and Ray Serve vs a plain FastAPI process.
 
-    .venv/bin/python bench/serve.py                       # cnn and resnet18 at 64 px, a few minutes
-    .venv/bin/python bench/serve.py --requests 2000 --concurrency 32 --models resnet18
+    .venv/bin/python bench/serve.py                       # cnn, resnet18, resnet50 at 64 px, ~10 minutes
+    .venv/bin/python bench/serve.py --requests 2000 --concurrency 64 --models resnet18
 
 An untrained model per architecture is registered under a fresh MLflow SQLite store in a temp dir
 (weights do not change the cost of a forward pass). For each model, three endpoints on 127.0.0.1
@@ -12,9 +12,11 @@ answer `POST /predict` with PNG bodies (64 distinct synthetic screenshots, cycle
   same `preprocess` (decode → RGB → resize → normalise) and forward pass in Starlette's thread pool,
   the same torch threads as a Serve replica (`--threads`, 1 by default).
 The forward pass alone at batch 1 and 16 (in this process) is printed first: the most batching can
-gain on this CPU. A closed loop of `--concurrency` aiohttp clients sends `--requests` requests per run after a
-warm-up; runs alternate between the endpoints, `--repeats` rounds, medians. Goals: batching on
-vs off ≥ 2× throughput; Serve p50 ≤ 1.3× the plain process's p50 (throughput ratio printed too).
+gain on this CPU. A closed loop of `--concurrency` aiohttp clients (32: with no more clients than
+`max_batch_size` a batch could never fill, some requests being always in flight) sends `--requests`
+requests per run after a warm-up; runs alternate between the endpoints, `--repeats` rounds,
+medians. Goals: batching on vs off ≥ 2× throughput; Serve p50 ≤ 1.3× the plain process's p50
+(throughput ratio printed too).
 
 No `from __future__ import annotations`: FastAPI resolves the plain server's route annotations.
 """
@@ -192,11 +194,11 @@ def forward_rates(model: str, image_size: int, batch: int, threads: int, seconds
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="cnn,resnet18", help="comma list of cnn, resnet18, resnet50")
+    parser.add_argument("--models", default="cnn,resnet18,resnet50", help="comma list of cnn, resnet18, resnet50")
     parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--requests", type=int, default=320, help="requests per measured run")
+    parser.add_argument("--requests", type=int, default=480, help="requests per measured run")
     parser.add_argument("--warmup", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=32, help="clients; above --batch-size, or batches never fill")
     parser.add_argument("--batch-size", type=int, default=16, help="max_batch_size with batching on")
     parser.add_argument("--batch-wait-s", type=float, default=0.01)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per replica and in the plain server")
