@@ -161,16 +161,17 @@ GPU_INGEST = """
 import json, sys
 import ray
 from ray.util.state import list_actors
+from app.broker import free_port
 from app.config import IngestConfig, Settings
 from app.data import ingest
 
 settings = Settings(**json.loads(sys.argv[1]))
-from app.broker import free_port
-
 # A logical GPU: torch finds no CUDA and runs on CPU. The dashboard answers the state API.
-ray.init(num_cpus=2, num_gpus=1, dashboard_host="127.0.0.1", dashboard_port=free_port())
+dashboard_port = free_port()
+ray.init(num_cpus=2, num_gpus=1, dashboard_host="127.0.0.1", dashboard_port=dashboard_port)
 report = ingest(settings, IngestConfig(use_gpu=True), settings.bootstrap_servers)
-workers = [a.required_resources for a in list_actors(detail=True) if "MapBatches(Preprocessor)" in a.class_name]
+actors = list_actors(address=f"http://127.0.0.1:{dashboard_port}", detail=True)  # the tests' Ray runs too
+workers = [a.required_resources for a in actors if "MapBatches(Preprocessor)" in a.class_name]
 print(json.dumps({"records": report.records, "workers": workers}))
 """
 
