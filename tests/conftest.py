@@ -37,9 +37,11 @@ def ray_cluster():
 
     apply_serve_env()  # Serve as Argus runs it
     metrics_port = free_port()
-    # Processes export metrics every second rather than every ten, so short tests see them.
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 1000}, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    # Processes export metrics every second rather than every ten, so short tests see them. One
+    # logical GPU: `--use-gpu` actor pools schedule, and torch, finding no CUDA, runs them on CPU.
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, configure_logging=False,
+             _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000},
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     yield metrics_port
     ray.shutdown()
 

@@ -157,44 +157,27 @@ def test_ingest_killed_then_rerun_loses_and_duplicates_nothing(settings, ray_clu
     assert len(rows) == 30 and {(r["partition"], r["offset"]) for r in rows} == set(coordinates)
 
 
-GPU_INGEST = """
-import json, sys
-import ray
-from ray.util.state import list_actors
-from app.broker import free_port
-from app.config import IngestConfig, Settings
-from app.data import ingest
+def test_ingest_with_use_gpu_puts_the_preprocessing_actors_on_gpus(settings, ray_cluster):
+    """The `--use-gpu` pool asks one GPU and no CPU per actor. The tests' Ray has one logical GPU
+    and no CUDA, so the same code runs on CPU and the snapshot must still be complete."""
+    import ray
+    import ray.data
 
-settings = Settings(**json.loads(sys.argv[1]))
-# A logical GPU: torch finds no CUDA and runs on CPU. The dashboard answers the state API.
-dashboard_port = free_port()
-ray.init(num_cpus=2, num_gpus=1, dashboard_host="127.0.0.1", dashboard_port=dashboard_port)
-report = ingest(settings, IngestConfig(use_gpu=True), settings.bootstrap_servers)
-actors = list_actors(address=f"http://127.0.0.1:{dashboard_port}", detail=True)  # the tests' Ray runs too
-workers = [a.required_resources for a in actors if "MapBatches(Preprocessor)" in a.class_name]
-print(json.dumps({"records": report.records, "workers": workers}))
-"""
-
-
-def test_ingest_with_use_gpu_puts_the_preprocessing_actors_on_gpus(settings):
-    """The `--use-gpu` pool asks one GPU and no CPU per actor; on a Ray with one (logical) GPU and no
-    CUDA the same code runs on CPU and the snapshot is complete. A Ray of its own: the shared one has no GPU."""
-    import dataclasses
-    import subprocess
-    import sys
-
-    from conftest import ROOT, child_env
+    from app.data import Preprocessor, preprocess_batches
 
     coordinates = send(settings, valid_records(20, seed=4))
-    fields = {k: v for k, v in dataclasses.asdict(settings).items() if k != "classes"}
-    result = subprocess.run([sys.executable, "-c", GPU_INGEST, json.dumps(fields)], capture_output=True, text=True,
-                            env=child_env(PYTHONPATH=str(ROOT)), cwd=ROOT, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    outcome = json.loads(result.stdout.strip().splitlines()[-1])
-    assert outcome["records"] == 20
-    assert outcome["workers"] and all(w == {"GPU": 1.0} for w in outcome["workers"]), outcome["workers"]
-    rows = snapshot_rows(settings, list_manifests(settings)[0]["snapshot_id"])
+    report = ingest(settings, IngestConfig(use_gpu=True), settings.bootstrap_servers)
+    assert report.records == 20
+    rows = snapshot_rows(settings, report.snapshot_id)
     assert {(r["partition"], r["offset"]) for r in rows} == set(coordinates)
+
+    class ResourceProbe(Preprocessor):  # the pool as ingest sizes it; each batch says what its actor holds
+        def __call__(self, batch):
+            held = json.dumps(ray.get_runtime_context().get_assigned_resources(), sort_keys=True)
+            return {"held": np.array([held] * len(batch["id"]))}
+
+    probe = preprocess_batches(ray.data.range(8), settings, IngestConfig(use_gpu=True), ResourceProbe)
+    assert {row["held"] for row in probe.take_all()} == {json.dumps({"GPU": 1.0})}
 
 
 def test_preprocess_normalises_with_imagenet_statistics():
