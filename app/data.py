@@ -449,8 +449,8 @@ def read_ranges(source) -> ray.data.Dataset:
     """The Ray Data read of a KafkaRangeDatasource, as ingest runs it (inside `streaming_blocks`)."""
     import ray
 
-    return ray.data.read_datasource(source, ray_remote_args={"num_cpus": IO_TASK_CPUS}, concurrency=io_concurrency(),
-                                    override_num_blocks=source.read_task_count())
+    return ray.data.read_datasource(source, ray_remote_args={"num_cpus": IO_TASK_CPUS},
+                                    concurrency=io_concurrency(), override_num_blocks=source.read_task_count())
 
 
 @contextlib.contextmanager
@@ -568,8 +568,9 @@ def preprocess_batches(dataset: ray.data.Dataset, settings: Settings, cfg: Inges
     On CPU, one actor per core decoding in one thread: Pillow releases the GIL while it decodes,
     but resize, normalise and Ray's batch handling do not, so an actor's extra decode threads
     mostly wait for the GIL (measured: 2 actors × 1 thread ≈ 1.3× 1 actor × 2 threads on 2 cores).
-    On GPU, one actor per GPU, decoding in as many threads as the cluster has CPUs per GPU. The pool starts with
-    one actor and grows while batches queue, so it never waits for CPUs that Serve or training hold.
+    On GPU, one actor per GPU, decoding in as many threads as the cluster has CPUs per GPU. The
+    pool starts with one actor and grows while batches queue, so it never waits for CPUs that Serve
+    or training hold.
     """
     import ray
 

@@ -358,12 +358,13 @@ def main() -> int:
                 tables.append((f"preprocess: {args.pre_source_size}→{args.image_size} px (median of {args.repeats}); "
                                "busy = first batch start to last batch end",
                                ["pipeline", "images/s", "busy img/s", "start-up s", "wall s"], rows))
+
                 def vs_pool(name: str, key: str = "images_per_s") -> float:
                     return median_of(pre[name], key) / median_of(pre["multiprocessing.Pool(2) Pillow+numpy"], key)
 
+                busy, one_actor = vs_pool(DEFAULT_POOL, "busy_images_per_s"), vs_pool(ONE_ACTOR_POOL)
                 goals.append(goal_line("preprocessing images/s (ingest's pool) vs Pool(2)", vs_pool(DEFAULT_POOL),
-                                       PRE_GOAL, note=f"(busy-window {vs_pool(DEFAULT_POOL, 'busy_images_per_s'):.2f}×;"
-                                                      f" 1 actor × 2 threads {vs_pool(ONE_ACTOR_POOL):.2f}×)"))
+                                       PRE_GOAL, note=f"(busy-window {busy:.2f}×; 1 actor × 2 threads {one_actor:.2f}×)"))
 
     print("\n== summary")
     for title, header, rows in tables:

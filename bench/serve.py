@@ -198,7 +198,7 @@ def main() -> int:
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--requests", type=int, default=480, help="requests per measured run")
     parser.add_argument("--warmup", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, default=32, help="clients; above --batch-size, or batches never fill")
+    parser.add_argument("--concurrency", type=int, default=32, help="clients (above --batch-size)")
     parser.add_argument("--batch-size", type=int, default=16, help="max_batch_size with batching on")
     parser.add_argument("--batch-wait-s", type=float, default=0.01)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per replica and in the plain server")
