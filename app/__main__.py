@@ -191,19 +191,21 @@ def run(args: argparse.Namespace) -> int:
             print(produce(settings, cfg, bootstrap))
         return 0
     if args.command == "ingest":
-        from app.cluster import ray_session
+        from app.cluster import ray_session, require_local_gpu
         from app.data import ingest
 
         cfg = from_namespace(IngestConfig, args)
+        require_local_gpu(settings, cfg.use_gpu)
         with embedded.kafka_endpoint(settings) as bootstrap, ray_session(settings):
             print(ingest(settings, cfg, bootstrap))
         return 0
     if args.command == "watch":
-        from app.cluster import ray_session
+        from app.cluster import ray_session, require_local_gpu
         from app.watch import WatchConfig, watch
 
         cfg = from_namespace(WatchConfig, args)
         ingest_cfg = from_namespace(IngestConfig, args)
+        require_local_gpu(settings, ingest_cfg.use_gpu)
         stop = threading.Event()
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda _s, _f: stop.set())
@@ -212,11 +214,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"watch stopped after raising {alerts} lag alerts")
         return 0
     if args.command == "train":
-        from app.cluster import ray_session
+        from app.cluster import ray_session, require_local_gpu
         from app.train import train
 
         snapshots = tuple(s for s in (args.snapshots or "").split(",") if s) or None
         cfg = from_namespace(TrainConfig, args, snapshots=snapshots)
+        require_local_gpu(settings, cfg.use_gpu)
         with ray_session(settings):
             report = train(settings, cfg)
         print(f"registered {settings.model_name} v{report.version} (run {report.run_id}): "

@@ -25,6 +25,25 @@ def apply_serve_env() -> None:
         os.environ.setdefault(key, value)
 
 
+def joins_cluster(settings) -> bool:
+    """Whether `ray_session` joins a running cluster (`--ray-address`, or inside `ray job submit`)
+    rather than starting a local Ray from this machine's resources."""
+    return bool(settings.ray_address or os.environ.get("RAY_JOB_ID"))
+
+
+def require_local_gpu(settings, use_gpu: bool) -> None:
+    """`--use-gpu` on a local Ray of a machine without a GPU would wait forever for one: a clear
+    error instead. A cluster may autoscale GPU nodes in, so there the request stands."""
+    if not use_gpu or joins_cluster(settings):
+        return
+    from app.config import ConfigError
+    from app.model import local_device
+
+    if local_device().type != "cuda":
+        raise ConfigError("--use-gpu: this machine has no GPU for its local Ray; drop --use-gpu, or pass "
+                          "--ray-address of a cluster with GPU nodes")
+
+
 @contextlib.contextmanager
 def ray_session(settings, *, num_cpus: int | None = None, dashboard: bool = False):
     """Yield the dashboard URL (or None) with Ray initialised; shut Ray down afterwards only if
@@ -35,7 +54,7 @@ def ray_session(settings, *, num_cpus: int | None = None, dashboard: bool = Fals
         yield None
         return
     runtime_env = {"env_vars": {"PYTHONPATH": _project_root()}}
-    if settings.ray_address or os.environ.get("RAY_JOB_ID"):
+    if joins_cluster(settings):
         # Under `ray job submit` RAY_ADDRESS is set and the working dir is already shipped.
         context = ray.init(address=settings.ray_address or "auto", log_to_driver=True)
     else:

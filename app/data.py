@@ -483,10 +483,10 @@ def _decode_or_error(value: bytes) -> np.ndarray | str:
         return str(exc)
 
 
-def _torch_device() -> torch.device:
-    import torch
+def _import_torch_device() -> torch.device:
+    from app.model import local_device  # imports torch
 
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return local_device()
 
 
 class Preprocessor:
@@ -499,7 +499,7 @@ class Preprocessor:
         self.decoder = ThreadPoolExecutor(decode_threads, thread_name_prefix="decode") if decode_threads > 1 else None
         # Importing torch takes a new actor 1–1.5 s; it runs while the first batch decodes, which
         # needs only Pillow and numpy (each ingest, and each `watch` micro-batch, starts new actors).
-        self._device_future = ThreadPoolExecutor(1, thread_name_prefix="import-torch").submit(_torch_device)
+        self._device_future = ThreadPoolExecutor(1, thread_name_prefix="import-torch").submit(_import_torch_device)
         self.image_size = image_size
         self.classes = set(classes) if classes else None
         self.max_record_bytes = max_record_bytes

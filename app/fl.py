@@ -382,12 +382,8 @@ def _client_state(message: Message, context: Context) -> tuple[int, ConfigRecord
             _DATA.popitem(last=False)
     model_key = (str(config["arch"]), len(config["classes"]))
     if model_key not in _MODELS:  # on the actor's GPU when Ray gave it one (--num-gpus-per-client)
-        _MODELS[model_key] = core.build_model(model_key[0], model_key[1]).to(_device())
+        _MODELS[model_key] = core.build_model(model_key[0], model_key[1]).to(core.local_device())
     return partition, config, _MODELS[model_key], _DATA[key]
-
-
-def _device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _fault(config: ConfigRecord, partition: int) -> str | None:
@@ -416,7 +412,7 @@ def client_train(message: Message, context: Context) -> Message:
     stats = local_train(model, data, epochs=int(config["local-epochs"]), batch_size=int(config["batch-size"]),
                         lr=float(config["lr"]), mu=float(config.get("proximal-mu", 0.0)), seed=seed,
                         augment=bool(config["augment"]), batches_hook=_crash_after_first if fault == "crash" else None,
-                        device=_device())
+                        device=core.local_device())
     update = encode_update(model, origin, str(config["update-dtype"]))
     if fault == "nan":
         update = {k: torch.full_like(v, float("nan")) for k, v in update.items()}
@@ -433,7 +429,7 @@ def client_evaluate(message: Message, context: Context) -> Message:
     load_arrays(model, message.content["arrays"])
     result = {"loss": 0.0, "accuracy": 0.0}
     if len(data.val_y):
-        result = local_evaluate(model, data, len(config["classes"]), device=_device())
+        result = local_evaluate(model, data, len(config["classes"]), device=core.local_device())
     metrics = MetricRecord({"num-examples": len(data.val_y), "val_loss": float(result["loss"]),
                             "val_accuracy": float(result["accuracy"])})
     return Message(RecordDict({"metrics": metrics}), reply_to=message)

@@ -80,6 +80,11 @@ def feature_backbone(weights: str | None = None) -> nn.Module:
     return backbone
 
 
+def local_device() -> torch.device:
+    """The GPU Ray gave this process (it sets CUDA_VISIBLE_DEVICES for `num_gpus`), else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def build_model(name: str, num_classes: int, *, weights: str | None = None, features: bool = False) -> nn.Module:
     """The one model factory: `resnet50`, `resnet18`, `cnn`; `features=True` → frozen ResNet-50 + head."""
     import torchvision

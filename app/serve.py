@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app import metrics, registry
 from app.config import DEFAULT_MODEL_NAME
 from app.data import BadImage, decode_pixels, image_statistics, normalize
+from app.model import local_device
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +142,7 @@ class ArgusModel:
                  max_body_bytes: int = 10 * 1024 * 1024, poll_s: float = 2.0, threads: int = 1,
                  traffic_dir: str | None = None):
         torch.set_num_threads(threads)
-        # A replica given `num_gpus` sees its GPU (Ray sets CUDA_VISIBLE_DEVICES); its models live there.
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = local_device()  # a replica given `num_gpus` keeps its models on that GPU
         self.traffic = TrafficLog(traffic_dir) if traffic_dir else None
         self.mlflow_uri, self.model_name, self.alias = mlflow_uri, model_name, alias
         self.max_body_bytes = max_body_bytes

@@ -1,8 +1,10 @@
 """The CLI's contract: every command in --help; bad input exits 2 with one clear line."""
 import pytest
+import torch
 
 from conftest import run_cli
 
+NEEDS_NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 COMMANDS = ["demo", "broker", "produce", "ingest", "train", "federate", "serve", "promote", "watch", "drift"]
 
 
@@ -22,6 +24,9 @@ def test_help_lists_every_contract_command():
     (["produce"], "exactly one of --synthetic N or --from-dir DIR"),
     (["serve", "--http-port", "70000"], "--http-port must be in 1..65535"),
     (["ingest", "--image-size", "2"], "--image-size must be in 8..1024"),
+    # On a machine without a GPU, rather than wait forever for one:
+    pytest.param(["ingest", "--use-gpu"], "--use-gpu: this machine has no GPU", marks=NEEDS_NO_GPU),
+    pytest.param(["train", "--use-gpu"], "--use-gpu: this machine has no GPU", marks=NEEDS_NO_GPU),
     (["frobnicate"], "invalid choice"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):
