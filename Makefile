@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast lint format bench clean
 
 $(BIN)/argus: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,11 +14,21 @@ $(BIN)/argus: pyproject.toml
 demo: $(BIN)/argus
 	$(BIN)/python -m app demo
 
-test: $(BIN)/argus
+# Every test: lint first (seconds), then unit and integration tests (real broker, Ray, MLflow, HTTP).
+test: lint
 	$(BIN)/python -m pytest -v
 
-test-fast: $(BIN)/argus
-	$(BIN)/python -m pytest -m "not slow"
+# Unit tests only: no broker, no Ray, no network; under a minute.
+test-fast: lint
+	$(BIN)/python -m pytest tests/unit
+
+lint: $(BIN)/argus
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(BIN)/argus
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 bench: $(BIN)/argus
 	@for script in bench/*.py; do echo "== $$script"; $(BIN)/python $$script || exit 1; done

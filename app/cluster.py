@@ -1,5 +1,6 @@
 """Joining Ray: the configured cluster, the job's cluster under `ray job submit`, or a local one
 sized from this machine's cores (every stage asks for fractional CPUs so they fit together)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,8 +15,11 @@ log = logging.getLogger(__name__)
 # get them here, the image sets them (Dockerfile), cluster.yaml exports them before `ray start`.
 # bench/serve.py, 2 cores: the cnn behind Serve 124 → 135 requests/s, resnet18 79 → 87 (= the plain
 # FastAPI process).
-SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
-             "RAY_SERVE_PROXY_USE_GRPC": "1"}
+SERVE_ENV = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
+}
 
 
 def apply_serve_env() -> None:
@@ -40,8 +44,10 @@ def require_local_gpu(settings, use_gpu: bool) -> None:
     from app.model import local_device
 
     if local_device().type != "cuda":
-        raise ConfigError("--use-gpu: this machine has no GPU for its local Ray; drop --use-gpu, or pass "
-                          "--ray-address of a cluster with GPU nodes")
+        raise ConfigError(
+            "--use-gpu: this machine has no GPU for its local Ray; drop --use-gpu, or pass "
+            "--ray-address of a cluster with GPU nodes"
+        )
 
 
 @contextlib.contextmanager
@@ -62,8 +68,13 @@ def ray_session(settings, *, num_cpus: int | None = None, dashboard: bool = Fals
         # agent's ports, and the node then dies during start-up.
         os.environ.setdefault("RAY_agent_register_timeout_ms", "180000")
         apply_serve_env()
-        options = dict(num_cpus=num_cpus or max(2, os.cpu_count() or 2), dashboard_host="127.0.0.1",
-                       runtime_env=runtime_env, log_to_driver=True, configure_logging=False)
+        options = dict(
+            num_cpus=num_cpus or max(2, os.cpu_count() or 2),
+            dashboard_host="127.0.0.1",
+            runtime_env=runtime_env,
+            log_to_driver=True,
+            configure_logging=False,
+        )
         try:
             context = ray.init(include_dashboard=dashboard, **options)
         except Exception as exc:  # on a loaded small machine the dashboard's start can time out

@@ -2,6 +2,7 @@
 then CLI flags (CONTRACT.md §3), validated once here so a bad value stops the command with one
 clear line (exit 2) before any Ray or Kafka work starts.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -91,8 +92,10 @@ class Settings:
 
 def _parse_host_port(server: str) -> tuple[str, int]:
     host, sep, port = server.strip().rpartition(":")
-    _require(bool(sep and host and port.isdigit() and 0 < int(port) < 65536),
-             f"bad bootstrap server {server!r}: expected host:port")
+    _require(
+        bool(sep and host and port.isdigit() and 0 < int(port) < 65536),
+        f"bad bootstrap server {server!r}: expected host:port",
+    )
     return host, int(port)
 
 
@@ -125,8 +128,10 @@ class ProduceConfig:
     batch_bytes: int = 256 * 1024
 
     def __post_init__(self) -> None:
-        _require((self.synthetic is None) != (self.from_dir is None),
-                 "produce needs exactly one of --synthetic N or --from-dir DIR")
+        _require(
+            (self.synthetic is None) != (self.from_dir is None),
+            "produce needs exactly one of --synthetic N or --from-dir DIR",
+        )
         if self.synthetic is not None:
             _require(self.synthetic >= 1, f"--synthetic must be >= 1, got {self.synthetic}")
         if self.from_dir is not None:
@@ -204,12 +209,16 @@ class TrainConfig:
         _require(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         if isinstance(self.num_workers, str):
             low, _, high = self.num_workers.partition("-")
-            _require(low.isdigit() and (not high or high.isdigit()),
-                     f"--num-workers must be N or MIN-MAX, got {self.num_workers!r}")
+            _require(
+                low.isdigit() and (not high or high.isdigit()),
+                f"--num-workers must be N or MIN-MAX, got {self.num_workers!r}",
+            )
             self.num_workers = (int(low), int(high)) if high else int(low)
         counts = self.num_workers if isinstance(self.num_workers, tuple) else (self.num_workers,)
-        _require(min(counts) >= 1 and counts == tuple(sorted(counts)),
-                 f"--num-workers must be >= 1 (and MIN <= MAX), got {self.num_workers}")
+        _require(
+            min(counts) >= 1 and counts == tuple(sorted(counts)),
+            f"--num-workers must be >= 1 (and MIN <= MAX), got {self.num_workers}",
+        )
         _require(self.cpus_per_worker > 0, "--cpus-per-worker must be > 0")
         _require(self.amp in AMP_MODES, f"--amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
         _require(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
@@ -266,15 +275,31 @@ def from_namespace(cls, namespace, **overrides):
 
 def build_settings(namespace) -> Settings:
     values = env_defaults()
-    values.update({k: v for k, v in vars(namespace).items()
-                   if k in {f.name for f in dataclasses.fields(Settings)} and v is not None})
+    values.update(
+        {
+            k: v
+            for k, v in vars(namespace).items()
+            if k in {f.name for f in dataclasses.fields(Settings)} and v is not None
+        }
+    )
     if isinstance(values.get("classes"), str):
         values["classes"] = tuple(c.strip() for c in values["classes"].split(",") if c.strip())
     return Settings(**values)
 
 
 __all__ = [
-    "AMP_MODES", "ConfigError", "IMAGENET_MEAN", "IMAGENET_STD", "IngestConfig", "MODELS",
-    "ProduceConfig", "ServeConfig", "Settings", "TrainConfig", "build_settings", "check_reachable",
-    "env_defaults", "from_namespace",
+    "AMP_MODES",
+    "ConfigError",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "IngestConfig",
+    "MODELS",
+    "ProduceConfig",
+    "ServeConfig",
+    "Settings",
+    "TrainConfig",
+    "build_settings",
+    "check_reachable",
+    "env_defaults",
+    "from_namespace",
 ]

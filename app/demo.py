@@ -7,6 +7,7 @@ steady traffic, counting failed requests. The Ray dashboard runs alongside (its 
 first); `--hold` keeps the dashboard and the endpoint up at the end until Ctrl-C. It uses
 `<storage>/demo` as its own sandbox and stops everything it started.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,9 @@ def run_demo(settings: Settings, args) -> int:
     import requests
 
     from app import synth
-    from app.data import ingest, produce
     from app.fl import FederateConfig, federate
+    from app.ingest import ingest
+    from app.produce import produce
     from app.serve import deploy, wait_for_version
     from app.train import train
 
@@ -70,38 +72,50 @@ def run_demo(settings: Settings, args) -> int:
         timings["produce"] = time.perf_counter() - t
 
         with ray_session(settings, dashboard=True) as dashboard_url:
-            print(f"Ray dashboard: {dashboard_url or 'not started (see the warning above)'} — jobs, actors, "
-                  "Ray Data operators, Train workers and Serve replicas, live while the demo runs", flush=True)
+            print(
+                f"Ray dashboard: {dashboard_url or 'not started (see the warning above)'} — jobs, actors, "
+                "Ray Data operators, Train workers and Serve replicas, live while the demo runs",
+                flush=True,
+            )
             t = _step("ingesting with Ray Data: Kafka → preprocess → Parquet snapshot")
             print(ingest(settings, IngestConfig(), bootstrap))
             timings["ingest"] = time.perf_counter() - t
 
             t = _step(f"training with Ray Train: {settings.model}, 2 CPU workers, {args.epochs} epochs")
             report = train(settings, TrainConfig(epochs=args.epochs, num_workers=2, batch_size=32, lr=3e-3))
-            print(f"registered {settings.model_name} v{report.version}: val_accuracy "
-                  f"{report.metrics['val_accuracy']:.3f} (chance {1 / len(report.classes):.3f}); "
-                  f"rank checksums equal ({report.checksum[:12]}…)")
+            print(
+                f"registered {settings.model_name} v{report.version}: val_accuracy "
+                f"{report.metrics['val_accuracy']:.3f} (chance {1 / len(report.classes):.3f}); "
+                f"rank checksums equal ({report.checksum[:12]}…)"
+            )
             timings["train"] = time.perf_counter() - t
 
             t = _step("serving with Ray Serve on 127.0.0.1")
             url = deploy(settings, ServeConfig(http_port=args.http_port), blocking=False)
             version = wait_for_version(url)
             sample = next(synth.generate(1, seed=12345, classes=report.classes, size=DEMO_IMAGE_SIZE))
-            answer = requests.post(f"{url}/predict", data=sample.value,
-                                   headers={"Content-Type": "image/png"}, timeout=30)
+            answer = requests.post(
+                f"{url}/predict", data=sample.value, headers={"Content-Type": "image/png"}, timeout=30
+            )
             answer.raise_for_status()
             body = answer.json()
             top = np.argsort(list(body["scores"].values()))[::-1][:3]
             names = list(body["scores"])
-            print(f"POST {url}/predict (a {sample.label!r} image) → {answer.status_code} "
-                  f"label={body['label']!r} model_version={body['model_version']}")
+            print(
+                f"POST {url}/predict (a {sample.label!r} image) → {answer.status_code} "
+                f"label={body['label']!r} model_version={body['model_version']}"
+            )
             print("   top scores: " + ", ".join(f"{names[i]} {body['scores'][names[i]]:.2f}" for i in top))
             timings["serve"] = time.perf_counter() - t
             assert version == body["model_version"]
 
             t = _step("federated fine-tuning: Flower clients as Ray actors, users as clients, FedAvg")
-            federated = federate(settings, FederateConfig(rounds=args.rounds, clients=8, clients_per_round=4,
-                                                          init_from="champion", seed=7))
+            federated = federate(
+                settings,
+                FederateConfig(
+                    rounds=args.rounds, clients=8, clients_per_round=4, init_from="champion", seed=7
+                ),
+            )
             print(federated)
             timings["federate"] = time.perf_counter() - t
 
@@ -109,8 +123,10 @@ def run_demo(settings: Settings, args) -> int:
             answers = _rollout_under_traffic(settings, url, sample.value, federated.version)
             failed = sum(1 for status, _ in answers if status != 200)
             served = [v for _, v in answers]
-            print(f"{len(answers)} requests during the rollout, {failed} failed; versions served in order: "
-                  f"{' → '.join(dict.fromkeys(served))}")
+            print(
+                f"{len(answers)} requests during the rollout, {failed} failed; versions served in order: "
+                f"{' → '.join(dict.fromkeys(served))}"
+            )
             timings["rollout"] = time.perf_counter() - t
             if args.hold:
                 held_s = _hold(url, dashboard_url)
@@ -124,10 +140,18 @@ def run_demo(settings: Settings, args) -> int:
     print("\n== done in {:.0f}s ({})".format(total, ", ".join(f"{k} {v:.0f}s" for k, v in timings.items())))
     print(f"snapshots and checkpoints: {settings.local_storage_path}")
     if not args.hold:
-        print("Ray dashboard and Serve stopped with the demo: `python -m app demo --hold` keeps them up, or run "
-              "the stages as jobs on `ray start --head` (README, 'Running on a Ray cluster')")
-    print(f"MLflow UI: `mlflow ui --backend-store-uri {settings.tracking_uri}` (runs, metrics, registered versions)")
-    curves = sorted(settings.local_storage_path.glob("mlartifacts/*/artifacts/curves.png"), key=lambda p: p.stat().st_mtime)
+        print(
+            "Ray dashboard and Serve stopped with the demo: `python -m app demo --hold` keeps them up, "
+            "or run the stages as jobs on `ray start --head` (README, 'Running on a Ray cluster')"
+        )
+    print(
+        f"MLflow UI: `mlflow ui --backend-store-uri {settings.tracking_uri}` "
+        "(runs, metrics, registered versions)"
+    )
+    curves = sorted(
+        settings.local_storage_path.glob("mlartifacts/*/artifacts/curves.png"),
+        key=lambda p: p.stat().st_mtime,
+    )
     for path in curves:  # the demo's sandbox holds its runs' artifacts: centralised training, then federated
         print(f"curves: {path}")
     return 0
@@ -136,14 +160,18 @@ def run_demo(settings: Settings, args) -> int:
 def _hold(url: str, dashboard_url: str | None) -> float:
     """`--hold`: keep Ray, its dashboard and the Serve endpoint up until Ctrl-C or SIGTERM; return
     the seconds held."""
+
     def stop(_signum, _frame):
         raise KeyboardInterrupt
 
     # Both set here: libraries loaded on the way (Flower's among them) install their own handlers.
     previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
     started = time.perf_counter()
-    print(f"\n== holding until Ctrl-C: Ray dashboard {dashboard_url or '(not started)'}, "
-          f"POST {url}/predict, GET {url}/model", flush=True)
+    print(
+        f"\n== holding until Ctrl-C: Ray dashboard {dashboard_url or '(not started)'}, "
+        f"POST {url}/predict, GET {url}/model",
+        flush=True,
+    )
     try:
         threading.Event().wait()
     except KeyboardInterrupt:
@@ -167,8 +195,9 @@ def _rollout_under_traffic(settings: Settings, url: str, image: bytes, version: 
     def traffic():
         while not stop.is_set():
             try:
-                response = requests.post(f"{url}/predict", data=image, headers={"Content-Type": "image/png"},
-                                         timeout=30)
+                response = requests.post(
+                    f"{url}/predict", data=image, headers={"Content-Type": "image/png"}, timeout=30
+                )
                 answers.append((response.status_code, response.json().get("model_version", "?")))
             except requests.RequestException as exc:
                 answers.append((0, type(exc).__name__))

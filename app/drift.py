@@ -10,6 +10,7 @@ stability index (PSI, reference quantile bins) above `--threshold` counts as dri
 submits `ingest → train --promote-if-better` as a Ray job, so the alias moves only when the new
 version beats the champion on the newest event-time slice.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,7 +47,9 @@ class DriftConfig:
 
     def __post_init__(self) -> None:
         if self.window_s <= 0 or self.threshold <= 0 or self.label_threshold <= 0 or self.min_requests < 1:
-            raise ConfigError("--window-s, --threshold and --label-threshold must be > 0, --min-requests >= 1")
+            raise ConfigError(
+                "--window-s, --threshold and --label-threshold must be > 0, --min-requests >= 1"
+            )
 
 
 @dataclass
@@ -62,8 +65,10 @@ class DriftReport:
         return any(value > self.thresholds[name] for name, value in self.psi.items())
 
     def __str__(self) -> str:
-        rows = "\n".join(f"  {name:<16} PSI {value:6.3f}{'  DRIFT' if value > self.thresholds[name] else ''}"
-                         for name, value in self.psi.items())
+        rows = "\n".join(
+            f"  {name:<16} PSI {value:6.3f}{'  DRIFT' if value > self.thresholds[name] else ''}"
+            for name, value in self.psi.items()
+        )
         verdict = "drift detected" if self.drifted else "no drift"
         job = f"; retraining job {self.job_id} submitted" if self.job_id else ""
         return f"v{self.version} vs {self.requests} recent requests: {verdict}{job}\n{rows}"
@@ -85,16 +90,19 @@ def categorical_psi(reference: dict[str, float], current: dict[str, float]) -> f
     return float(np.sum((actual - expected) * np.log(actual / expected)))
 
 
-def reference_statistics(settings: Settings, card: registry.ModelCard) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+def reference_statistics(
+    settings: Settings, card: registry.ModelCard
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """Image statistics of every record the version was trained on, and its label shares."""
     import ray.data
 
-    from app.data import read_manifest, snapshot_uri
+    from app.snapshot import read_manifest, snapshot_uri
 
     paths = [snapshot_uri(settings, s["snapshot_id"]) for s in card.snapshots]
     columns = {name: [] for name in STATISTICS}
-    dataset = ray.data.read_parquet(paths, columns=["image"], file_extensions=["parquet"],
-                                    ray_remote_args={"num_cpus": 0.25})
+    dataset = ray.data.read_parquet(
+        paths, columns=["image"], file_extensions=["parquet"], ray_remote_args={"num_cpus": 0.25}
+    )
     for batch in dataset.iter_batches(batch_size=256, batch_format="numpy"):
         images = np.asarray(batch["image"], dtype=np.float32)
         means, stds = images.mean(axis=(2, 3)), images.std(axis=(2, 3), ddof=1)
@@ -103,7 +111,7 @@ def reference_statistics(settings: Settings, card: registry.ModelCard) -> tuple[
             columns[f"std_{channel}"].append(stds[:, i])
     labels: dict[str, float] = {}
     for snapshot in card.snapshots:
-        for label, count in read_manifest(settings, snapshot["snapshot_id"])["label_counts"].items():
+        for label, count in read_manifest(settings, snapshot["snapshot_id"]).label_counts.items():
             labels[label] = labels.get(label, 0) + count
     total = sum(labels.values()) or 1
     return {k: np.concatenate(v) for k, v in columns.items()}, {k: v / total for k, v in labels.items()}
@@ -132,8 +140,10 @@ def drift(settings: Settings, cfg: DriftConfig) -> DriftReport:
     card = registry.load(settings.tracking_uri, settings.model_name, version).card
     traffic = recent_traffic(settings, version, cfg.window_s)
     if len(traffic) < cfg.min_requests:
-        raise RuntimeError(f"only {len(traffic)} requests to v{version} in the last {cfg.window_s:.0f}s; "
-                           f"need {cfg.min_requests} for a verdict")
+        raise RuntimeError(
+            f"only {len(traffic)} requests to v{version} in the last {cfg.window_s:.0f}s; "
+            f"need {cfg.min_requests} for a verdict"
+        )
     reference, label_shares = reference_statistics(settings, card)
     scores = {name: psi(reference[name], np.array([row[name] for row in traffic])) for name in STATISTICS}
     served = {}
@@ -151,8 +161,18 @@ def drift(settings: Settings, cfg: DriftConfig) -> DriftReport:
 
 def retraining_entrypoint(settings: Settings, card: registry.ModelCard) -> str:
     storage = str(settings.local_storage_path) if settings.is_local_storage else settings.storage
-    common = ["--topic", settings.topic, "--storage", storage, "--image-size", str(card.image_size),
-              "--model", card.arch, "--mlflow-uri", settings.tracking_uri]
+    common = [
+        "--topic",
+        settings.topic,
+        "--storage",
+        storage,
+        "--image-size",
+        str(card.image_size),
+        "--model",
+        card.arch,
+        "--mlflow-uri",
+        settings.tracking_uri,
+    ]
     if settings.bootstrap_servers:
         common += ["--bootstrap-servers", settings.bootstrap_servers]
     ingest = shlex.join(["python", "-m", "app", "ingest", *common])
@@ -166,11 +186,14 @@ def submit_retraining(settings: Settings, card: registry.ModelCard) -> str:
 
     address = settings.ray_address or ""
     if not address.startswith("http"):
-        raise ConfigError("--retrain submits a Ray job: pass the dashboard address, e.g. "
-                          "--ray-address http://127.0.0.1:8265")
+        raise ConfigError(
+            "--retrain submits a Ray job: pass the dashboard address, e.g. "
+            "--ray-address http://127.0.0.1:8265"
+        )
     entrypoint = retraining_entrypoint(settings, card)
-    job_id = JobSubmissionClient(address).submit_job(entrypoint=entrypoint,
-                                                    runtime_env={"working_dir": str(_project_root())})
+    job_id = JobSubmissionClient(address).submit_job(
+        entrypoint=entrypoint, runtime_env={"working_dir": str(_project_root())}
+    )
     log.info("submitted retraining job %s: %s", job_id, entrypoint)
     return job_id
 

@@ -4,6 +4,7 @@ endpoint (`ray start --metrics-export-port`), named `ray_argus_*` there.
 Metrics are created lazily, in whichever process records them (driver, actor, Serve replica), and
 only when Ray is initialised, so the core modules stay usable without a cluster.
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,7 +20,11 @@ _DEFINITIONS = {
     "argus_dlq_records": ("counter", "Records sent to the dead-letter topic", ("topic",)),
     "argus_ingest_records_per_second": ("gauge", "Throughput of the last ingest", ("topic",)),
     "argus_ingest_megabytes_per_second": ("gauge", "Record bytes per second of the last ingest", ("topic",)),
-    "argus_consumer_lag_records": ("gauge", "Records behind the end of each partition", ("topic", "partition")),
+    "argus_consumer_lag_records": (
+        "gauge",
+        "Records behind the end of each partition",
+        ("topic", "partition"),
+    ),
     "argus_consumer_lag_seconds": ("gauge", "Age of the oldest record not yet in a snapshot", ("topic",)),
     "argus_lag_alerts": ("counter", "End-to-end lag above the alert threshold", ("topic",)),
     "argus_train_loss": ("gauge", "Training loss of the last epoch", ("run",)),
@@ -28,7 +33,11 @@ _DEFINITIONS = {
     "argus_train_epoch_seconds": ("gauge", "Wall time of the last epoch", ("run",)),
     "argus_fl_round_seconds": ("gauge", "Wall time of the last federated round", ("run",)),
     "argus_fl_round_bytes": ("gauge", "Update bytes sent by clients in the last round", ("run",)),
-    "argus_serve_requests": ("counter", "HTTP requests by status and model version", ("status", "model_version")),
+    "argus_serve_requests": (
+        "counter",
+        "HTTP requests by status and model version",
+        ("status", "model_version"),
+    ),
     "argus_serve_latency_seconds": ("histogram", "Request latency at the replica", ("model_version",)),
     "argus_drift_psi": ("gauge", "Population stability index of served traffic vs training", ("feature",)),
 }

@@ -1,13 +1,14 @@
 """The framework-free core that Ray Train, the Flower clients and the Serve replicas share:
 the model factory, one training epoch, evaluation, and safe (de)serialisation of weights.
 """
+
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import logging
 import warnings
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -26,11 +27,20 @@ class SmallCNN(nn.Module):
         super().__init__()
 
         def block(cin, cout):
-            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
-                                 nn.ReLU(inplace=True), nn.MaxPool2d(2))
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+                nn.BatchNorm2d(cout),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d(2),
+            )
 
-        self.features = nn.Sequential(block(3, width), block(width, 2 * width), block(2 * width, 4 * width),
-                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.features = nn.Sequential(
+            block(3, width),
+            block(width, 2 * width),
+            block(2 * width, 4 * width),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
         self.head = nn.Linear(4 * width, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,12 +70,17 @@ class FeatureHead(nn.Module):
 
 def _load_weights(model: nn.Module, weights: str | None, strict: bool = False) -> None:
     if weights is None:
-        warnings.warn(f"no pretrained weights given for {type(model).__name__}: using random "
-                      "initialisation (pass a local path; nothing is downloaded)", stacklevel=3)
+        warnings.warn(
+            f"no pretrained weights given for {type(model).__name__}: using random "
+            "initialisation (pass a local path; nothing is downloaded)",
+            stacklevel=3,
+        )
         return
     state = load_state_dict(weights)
     missing, unexpected = model.load_state_dict(state, strict=strict)
-    log.info("loaded weights from %s (missing %d, unexpected %d keys)", weights, len(missing), len(unexpected))
+    log.info(
+        "loaded weights from %s (missing %d, unexpected %d keys)", weights, len(missing), len(unexpected)
+    )
 
 
 def feature_backbone(weights: str | None = None) -> nn.Module:
@@ -85,7 +100,9 @@ def local_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def build_model(name: str, num_classes: int, *, weights: str | None = None, features: bool = False) -> nn.Module:
+def build_model(
+    name: str, num_classes: int, *, weights: str | None = None, features: bool = False
+) -> nn.Module:
     """The one model factory: `resnet50`, `resnet18`, `cnn`; `features=True` → frozen ResNet-50 + head."""
     import torchvision
 
@@ -139,9 +156,17 @@ def amp_dtype(mode: str, device: torch.device) -> torch.dtype | None:
     return torch.float16
 
 
-def train_epoch(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], optimizer,
-                loss_fn: nn.Module, *, device: torch.device, amp: torch.dtype | None = None,
-                scaler: torch.amp.GradScaler | None = None, grad_accum: int = 1) -> dict[str, float]:
+def train_epoch(
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    optimizer,
+    loss_fn: nn.Module,
+    *,
+    device: torch.device,
+    amp: torch.dtype | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    grad_accum: int = 1,
+) -> dict[str, float]:
     """One pass; an optimiser step every `grad_accum` micro-batches, gradient sync only on that one.
 
     Under DDP, `no_sync()` skips the all-reduce on the other micro-batches, so K micro-batches cost
@@ -171,8 +196,12 @@ def train_epoch(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Te
         total_loss += loss.item() * len(targets)
         total_examples += len(targets)
         correct += (logits.argmax(1) == targets).sum().item()
-    return {"loss": total_loss / max(total_examples, 1), "accuracy": correct / max(total_examples, 1),
-            "examples": total_examples, "micro_batches": micro}
+    return {
+        "loss": total_loss / max(total_examples, 1),
+        "accuracy": correct / max(total_examples, 1),
+        "examples": total_examples,
+        "micro_batches": micro,
+    }
 
 
 def _lookahead(iterable: Iterable) -> Iterator[tuple[object, bool]]:
@@ -189,8 +218,14 @@ def _lookahead(iterable: Iterable) -> Iterator[tuple[object, bool]]:
 
 
 @torch.inference_mode()
-def evaluate(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], num_classes: int, *,
-             device: torch.device, loss_fn: nn.Module | None = None) -> dict:
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    num_classes: int,
+    *,
+    device: torch.device,
+    loss_fn: nn.Module | None = None,
+) -> dict:
     """Loss, accuracy, per-class recall and the confusion matrix (rows: truth, columns: prediction)."""
     model.eval()
     loss_fn = loss_fn or nn.CrossEntropyLoss()
@@ -202,10 +237,15 @@ def evaluate(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tenso
         total_loss += loss_fn(logits, targets).item() * len(targets)
         total += len(targets)
         predictions = logits.argmax(1)
-        confusion += torch.bincount(targets.cpu() * num_classes + predictions.cpu(),
-                                    minlength=num_classes * num_classes).view(num_classes, num_classes)
+        confusion += torch.bincount(
+            targets.cpu() * num_classes + predictions.cpu(), minlength=num_classes * num_classes
+        ).view(num_classes, num_classes)
     support = confusion.sum(1)
     recall = torch.where(support > 0, confusion.diag() / support.clamp(min=1), torch.nan)
-    return {"loss": total_loss / max(total, 1), "accuracy": (confusion.diag().sum() / max(total, 1)).item(),
-            "per_class_recall": [None if torch.isnan(r) else r.item() for r in recall],
-            "confusion": confusion.tolist(), "examples": total}
+    return {
+        "loss": total_loss / max(total, 1),
+        "accuracy": (confusion.diag().sum() / max(total, 1)).item(),
+        "per_class_recall": [None if torch.isnan(r) else r.item() for r in recall],
+        "confusion": confusion.tolist(),
+        "examples": total,
+    }

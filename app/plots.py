@@ -1,4 +1,5 @@
 """Loss and accuracy curves as PNG artifacts (matplotlib, headless)."""
+
 from __future__ import annotations
 
 

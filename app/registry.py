@@ -3,11 +3,14 @@ that decides what is served (CONTRACT.md §5). Weights travel as safetensors, ne
 
     python -m app promote VERSION     # move the serving alias; replicas follow it
 """
+
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +30,49 @@ def _mlflow(tracking_uri: str):
 
     mlflow.set_tracking_uri(tracking_uri)
     return mlflow
+
+
+@contextlib.contextmanager
+def start_run(tracking_uri: str, artifact_root: str | None, run_name: str) -> Iterator:
+    """An MLflow run in the `argus` experiment (artifacts under `artifact_root`), ended on exit."""
+    mlflow = _mlflow(tracking_uri)
+    with mlflow.start_run(experiment_id=experiment_id(tracking_uri, artifact_root), run_name=run_name) as run:
+        yield run
+
+
+def log_run(
+    settings,
+    *,
+    run_name: str,
+    params: dict,
+    history: list[dict],
+    step: str,
+    title: str,
+    metrics: dict[str, float] | None = None,
+    tags: dict[str, str] | None = None,
+) -> str:
+    """One MLflow run in the `argus` experiment, as train and federate both log theirs: params, each
+    history row's numbers as metrics at that row's `step` (epoch or round), extra `metrics`, and the
+    curves (PNG) and history (JSON) as artifacts. Returns the run id."""
+    import mlflow
+
+    from app.plots import save_curves
+
+    with start_run(settings.tracking_uri, artifact_root(settings), run_name) as run:
+        mlflow.log_params(params)
+        if tags:
+            mlflow.set_tags(tags)
+        for row in history:
+            mlflow.log_metrics(
+                {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != step}, step=row[step]
+            )
+        if metrics:
+            mlflow.log_metrics(metrics)
+        with tempfile.TemporaryDirectory() as directory:
+            save_curves(history, f"{directory}/curves.png", title=title, x=step)
+            Path(directory, "history.json").write_text(json.dumps(history, indent=2))
+            mlflow.log_artifacts(directory)
+        return run.info.run_id
 
 
 def experiment_id(tracking_uri: str, artifact_root: str | None) -> str:
@@ -59,8 +105,14 @@ class ModelCard:
         return json.dumps(self.__dict__, indent=2, sort_keys=True)
 
 
-def register(tracking_uri: str, model_name: str, run_id: str, model: torch.nn.Module, card: ModelCard,
-             alias_if_first: str = "champion") -> str:
+def register(
+    tracking_uri: str,
+    model_name: str,
+    run_id: str,
+    model: torch.nn.Module,
+    card: ModelCard,
+    alias_if_first: str = "champion",
+) -> str:
     """Log weights and card as the run's `model` artifacts and register them as a new version.
 
     The first version of a name also gets the serving alias, so a fresh system serves something.

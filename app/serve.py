@@ -29,8 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import metrics, registry
 from app.config import DEFAULT_MODEL_NAME
-from app.data import BadImage, decode_pixels, image_statistics, normalize
 from app.model import local_device
+from app.transform import BadImage, decode_pixels, image_statistics, normalize
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,11 @@ async def _read_image_bytes(request: Request, max_body_bytes: int) -> bytes:
     """The image bytes of a raw or multipart body; size is checked before anything is decoded."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type not in IMAGE_TYPES and content_type != "multipart/form-data":
-        raise BadRequest(415, f"unsupported content type {content_type or '(none)'!r}; send "
-                              f"{', '.join(sorted(IMAGE_TYPES))} or multipart/form-data with a file field 'image'")
+        raise BadRequest(
+            415,
+            f"unsupported content type {content_type or '(none)'!r}; send "
+            f"{', '.join(sorted(IMAGE_TYPES))} or multipart/form-data with a file field 'image'",
+        )
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > max_body_bytes:
         raise BadRequest(413, f"body of {declared} bytes exceeds the {max_body_bytes} byte limit")
@@ -111,8 +114,14 @@ def infer(items: list[tuple[np.ndarray, registry.LoadedModel]]) -> list[tuple[di
             probabilities = torch.softmax(loaded.model(inputs), dim=1)
         for i, tensor, row in zip(indices, inputs, probabilities.tolist()):
             best = max(range(len(row)), key=row.__getitem__)
-            results[i] = ({"label": loaded.card.classes[best], "scores": dict(zip(loaded.card.classes, row)),
-                           "model_version": loaded.version}, tensor)
+            results[i] = (
+                {
+                    "label": loaded.card.classes[best],
+                    "scores": dict(zip(loaded.card.classes, row)),
+                    "model_version": loaded.version,
+                },
+                tensor,
+            )
     return results
 
 
@@ -123,24 +132,39 @@ class TrafficLog:
     def __init__(self, directory: str):
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        self._file = open(path / f"{serve.get_replica_context().replica_id.unique_id}.jsonl", "a", buffering=1)
+        self._file = open(
+            path / f"{serve.get_replica_context().replica_id.unique_id}.jsonl", "a", buffering=1
+        )
         self._lock = threading.Lock()
 
     def record(self, tensor: torch.Tensor, answer: dict) -> None:
-        row = {"time": time.time(), "model_version": answer["model_version"], "label": answer["label"],
-               **image_statistics(tensor)}
+        row = {
+            "time": time.time(),
+            "model_version": answer["model_version"],
+            "label": answer["label"],
+            **image_statistics(tensor),
+        }
         with self._lock:
             self._file.write(json.dumps(row) + "\n")
 
 
-@serve.deployment(name=DEPLOYMENT, ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64,
-                  health_check_period_s=5)
+@serve.deployment(
+    name=DEPLOYMENT, ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64, health_check_period_s=5
+)
 @serve.ingress(api)
 class ArgusModel:
-    def __init__(self, mlflow_uri: str, model_name: str = DEFAULT_MODEL_NAME, alias: str = "champion",
-                 max_batch_size: int = 16, batch_wait_timeout_s: float = 0.01,
-                 max_body_bytes: int = 10 * 1024 * 1024, poll_s: float = 2.0, threads: int = 1,
-                 traffic_dir: str | None = None):
+    def __init__(
+        self,
+        mlflow_uri: str,
+        model_name: str = DEFAULT_MODEL_NAME,
+        alias: str = "champion",
+        max_batch_size: int = 16,
+        batch_wait_timeout_s: float = 0.01,
+        max_body_bytes: int = 10 * 1024 * 1024,
+        poll_s: float = 2.0,
+        threads: int = 1,
+        traffic_dir: str | None = None,
+    ):
         torch.set_num_threads(threads)
         self.device = local_device()  # a replica given `num_gpus` keeps its models on that GPU
         self.traffic = TrafficLog(traffic_dir) if traffic_dir else None
@@ -160,8 +184,13 @@ class ArgusModel:
         loaded = registry.load(self.mlflow_uri, self.model_name, version)  # load first, then swap
         loaded.model.to(self.device)
         previous, self.current = self.current, loaded
-        log.info("now serving %s v%s on %s (was %s)", self.model_name, version, self.device,
-                 previous and previous.version)
+        log.info(
+            "now serving %s v%s on %s (was %s)",
+            self.model_name,
+            version,
+            self.device,
+            previous and previous.version,
+        )
 
     def _follow_alias(self, poll_s: float) -> None:
         while not self._stop.wait(poll_s):
@@ -186,10 +215,20 @@ class ArgusModel:
         if current is None:
             return _error(503, f"no model version behind alias {self.alias!r} yet")
         card = current.card
-        return JSONResponse({"name": current.name, "version": current.version, "run_id": current.run_id,
-                             "alias": self.alias, "arch": card.arch, "training_kind": card.training_kind,
-                             "classes": card.classes, "image_size": card.image_size,
-                             "snapshots": card.snapshots, "metrics": card.metrics})
+        return JSONResponse(
+            {
+                "name": current.name,
+                "version": current.version,
+                "run_id": current.run_id,
+                "alias": self.alias,
+                "arch": card.arch,
+                "training_kind": card.training_kind,
+                "classes": card.classes,
+                "image_size": card.image_size,
+                "snapshots": card.snapshots,
+                "metrics": card.metrics,
+            }
+        )
 
     @api.post("/predict")
     async def predict(self, request: Request) -> JSONResponse:
@@ -233,10 +272,19 @@ def build_app(args: dict) -> serve.Application:
     """Application builder for `serve run app.serve:build_app key=value ...` and RayService configs."""
     options = dict(args)
     replicas = int(options.pop("num_replicas", 1))
-    kwargs = {"mlflow_uri": options["mlflow_uri"], "model_name": options.get("model_name", DEFAULT_MODEL_NAME),
-              "alias": options.get("alias", "champion")}
-    for key, cast in (("max_batch_size", int), ("batch_wait_timeout_s", float), ("max_body_bytes", int),
-                      ("poll_s", float), ("threads", int), ("traffic_dir", str)):
+    kwargs = {
+        "mlflow_uri": options["mlflow_uri"],
+        "model_name": options.get("model_name", DEFAULT_MODEL_NAME),
+        "alias": options.get("alias", "champion"),
+    }
+    for key, cast in (
+        ("max_batch_size", int),
+        ("batch_wait_timeout_s", float),
+        ("max_body_bytes", int),
+        ("poll_s", float),
+        ("threads", int),
+        ("traffic_dir", str),
+    ):
         if key in options:
             kwargs[key] = cast(options[key])
     return ArgusModel.options(num_replicas=replicas).bind(**kwargs)
@@ -245,10 +293,19 @@ def build_app(args: dict) -> serve.Application:
 def deploy(settings, cfg, *, blocking: bool) -> str:
     """`python -m app serve`: start Serve's HTTP proxy on host:port and deploy the application."""
     serve.start(http_options={"host": cfg.http_host, "port": cfg.http_port})
-    app = build_app({"mlflow_uri": settings.tracking_uri, "model_name": settings.model_name, "alias": cfg.alias,
-                     "num_replicas": cfg.replicas, "max_batch_size": cfg.max_batch_size,
-                     "batch_wait_timeout_s": cfg.batch_wait_timeout_s, "max_body_bytes": cfg.max_body_bytes,
-                     "poll_s": cfg.poll_s, "traffic_dir": traffic_dir(settings)})
+    app = build_app(
+        {
+            "mlflow_uri": settings.tracking_uri,
+            "model_name": settings.model_name,
+            "alias": cfg.alias,
+            "num_replicas": cfg.replicas,
+            "max_batch_size": cfg.max_batch_size,
+            "batch_wait_timeout_s": cfg.batch_wait_timeout_s,
+            "max_body_bytes": cfg.max_body_bytes,
+            "poll_s": cfg.poll_s,
+            "traffic_dir": traffic_dir(settings),
+        }
+    )
     serve.run(app, name=APPLICATION, route_prefix="/", blocking=False)
     url = f"http://{cfg.http_host}:{cfg.http_port}"
     log.info("serving %s@%s on %s", settings.model_name, cfg.alias, url)
@@ -270,4 +327,6 @@ def wait_for_version(url: str, version: str | None = None, timeout_s: float = 60
         except (requests.RequestException, ValueError) as exc:
             last = str(exc)
         time.sleep(0.25)
-    raise TimeoutError(f"{url}/healthz did not report {version or 'a model'} within {timeout_s}s (last: {last})")
+    raise TimeoutError(
+        f"{url}/healthz did not report {version or 'a model'} within {timeout_s}s (last: {last})"
+    )

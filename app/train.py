@@ -7,15 +7,17 @@ of records by event time is held out, so validation looks like tomorrow's traffi
 checkpoints model, optimiser, scaler, RNG state and lineage; a lost worker restarts the group from
 the last checkpoint; ranks compare parameter checksums and the run fails loudly if they differ.
 """
+
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,8 +25,13 @@ from torch import nn
 
 from app import metrics as dashboard
 from app import model as core
+from app import registry
 from app.config import Settings, TrainConfig
-from app.data import encode_labels, list_manifests, snapshot_uri
+from app.snapshot import Manifest, discover_classes, select_snapshots, snapshot_uri
+from app.transform import augment, encode_labels
+
+if TYPE_CHECKING:
+    import ray.train
 
 log = logging.getLogger(__name__)
 
@@ -34,36 +41,48 @@ CHECKPOINT_FILE = "checkpoint.pt"
 # ---------------------------------------------------------------- what runs on each worker
 
 
-def augment(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Random resized crop, horizontal flip and brightness/contrast jitter, on normalised batches."""
-    import torchvision.transforms.v2.functional as F
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """Everything a training worker needs, fixed by the driver (Ray passes it as a dict)."""
 
-    n, _, h, w = images.shape
-    out = torch.empty_like(images)
-    scales = torch.empty(n).uniform_(0.6, 1.0, generator=generator)
-    for i in range(n):
-        ch, cw = max(1, int(h * scales[i].sqrt())), max(1, int(w * scales[i].sqrt()))
-        top = int(torch.randint(0, h - ch + 1, (1,), generator=generator))
-        left = int(torch.randint(0, w - cw + 1, (1,), generator=generator))
-        out[i] = F.resized_crop(images[i], top, left, ch, cw, [h, w], antialias=True)
-    flip = torch.rand(n, generator=generator) < 0.5
-    out[flip] = out[flip].flip(-1)
-    contrast = torch.empty(n, 1, 1, 1).uniform_(0.8, 1.2, generator=generator)
-    brightness = torch.empty(n, 1, 1, 1).uniform_(-0.2, 0.2, generator=generator)
-    return out * contrast.to(out.device) + brightness.to(out.device)
+    run_name: str
+    model: str
+    features: bool
+    backbone_weights: str | None
+    classes: tuple[str, ...]
+    epochs: int
+    batch_size: int
+    lr: float
+    seed: int
+    amp: str
+    grad_accum: int
+    balance: str
+    augment: bool
+    class_weights: tuple[float, ...]
+    snapshot_ids: tuple[str, ...]
+    threads: int
+    fail_at_epoch: int | None
+    """Fault injection: rank 1 dies mid-way through this epoch, once per run."""
+    fault_marker: str
+    steps_per_epoch_hint: int
+
+    @property
+    def input_column(self) -> str:
+        return "features" if self.features else "image"
 
 
-def _batches(shard, cfg: dict, device: torch.device, generator: torch.Generator, training: bool):
-    column = "features" if cfg["features"] else "image"
-    for batch in shard.iter_torch_batches(batch_size=cfg["batch_size"], drop_last=False,
-                                          dtypes={column: torch.float32, "label_index": torch.int64}):
+def _batches(shard, cfg: WorkerConfig, device: torch.device, generator: torch.Generator, training: bool):
+    column = cfg.input_column
+    for batch in shard.iter_torch_batches(
+        batch_size=cfg.batch_size, drop_last=False, dtypes={column: torch.float32, "label_index": torch.int64}
+    ):
         inputs, targets = batch[column], batch["label_index"]
-        if training and cfg["balance"] == "sampler":
+        if training and cfg.balance == "sampler":
             # Streaming data has no global index, so balance within each batch by resampling.
-            weights = torch.as_tensor(cfg["class_weights"])[targets]
+            weights = torch.as_tensor(cfg.class_weights)[targets]
             pick = torch.multinomial(weights, len(targets), replacement=True, generator=generator)
             inputs, targets = inputs[pick], targets[pick]
-        if training and cfg["augment"] and not cfg["features"]:
+        if training and cfg.augment and not cfg.features:
             inputs = augment(inputs, generator)
         yield inputs, targets
 
@@ -89,13 +108,13 @@ def _reduce_confusion(confusion: list[list[int]], device: torch.device) -> torch
     return tensor.cpu()
 
 
-def _maybe_inject_fault(cfg: dict, epoch: int, step: int, steps_hint: int) -> None:
+def _maybe_inject_fault(cfg: WorkerConfig, epoch: int, step: int, steps_hint: int) -> None:
     """Kill rank 1 half-way through epoch `fail_at_epoch`, once per run (a marker file remembers)."""
     import ray.train
 
-    if cfg["fail_at_epoch"] != epoch or ray.train.get_context().get_world_rank() != 1:
+    if cfg.fail_at_epoch != epoch or ray.train.get_context().get_world_rank() != 1:
         return
-    marker = Path(cfg["fault_marker"])
+    marker = Path(cfg.fault_marker)
     if step >= max(1, steps_hint // 2) and not marker.exists():
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(str(time.time()))
@@ -103,26 +122,28 @@ def _maybe_inject_fault(cfg: dict, epoch: int, step: int, steps_hint: int) -> No
         os._exit(1)
 
 
-def train_loop_per_worker(cfg: dict) -> None:
+def train_loop_per_worker(config: dict) -> None:
     import ray.train
     import ray.train.torch
 
-    torch.manual_seed(cfg["seed"])
-    torch.set_num_threads(cfg["threads"])
+    cfg = WorkerConfig(**config)
+
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.threads)
     context = ray.train.get_context()
     rank = context.get_world_rank()
     device = ray.train.torch.get_device()
-    num_classes = len(cfg["classes"])
+    num_classes = len(cfg.classes)
 
-    model = core.build_model(cfg["model"], num_classes, features=cfg["features"], weights=cfg["backbone_weights"])
+    model = core.build_model(cfg.model, num_classes, features=cfg.features, weights=cfg.backbone_weights)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     model = ray.train.torch.prepare_model(model)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg["lr"])
-    amp = core.amp_dtype(cfg["amp"], device)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    amp = core.amp_dtype(cfg.amp, device)
     scaler = torch.amp.GradScaler(device.type) if amp == torch.float16 else None
-    weights = torch.tensor(cfg["class_weights"], dtype=torch.float32, device=device)
-    loss_fn = nn.CrossEntropyLoss(weight=weights if cfg["balance"] == "weights" else None)
+    weights = torch.tensor(cfg.class_weights, dtype=torch.float32, device=device)
+    loss_fn = nn.CrossEntropyLoss(weight=weights if cfg.balance == "weights" else None)
 
     start_epoch, history = 0, []
     checkpoint = ray.train.get_checkpoint()
@@ -137,47 +158,76 @@ def train_loop_per_worker(cfg: dict) -> None:
         start_epoch, history = state["epoch"] + 1, state["history"]
         log.info("rank %d resumed from the checkpoint of epoch %d", rank, state["epoch"])
 
-    for epoch in range(start_epoch, cfg["epochs"]):
+    for epoch in range(start_epoch, cfg.epochs):
         started = time.perf_counter()
-        generator = torch.Generator().manual_seed(cfg["seed"] * 1000 + epoch * 10 + rank)
+        generator = torch.Generator().manual_seed(cfg.seed * 1000 + epoch * 10 + rank)
         train_batches = _batches(ray.train.get_dataset_shard("train"), cfg, device, generator, True)
-        if cfg["fail_at_epoch"] is not None:
+        if cfg.fail_at_epoch is not None:
             train_batches = _with_fault(train_batches, cfg, epoch)
-        stats = core.train_epoch(model, train_batches, optimizer, loss_fn, device=device, amp=amp,
-                                 scaler=scaler, grad_accum=cfg["grad_accum"])
-        val = core.evaluate(model, _batches(ray.train.get_dataset_shard("val"), cfg, device, generator, False),
-                            num_classes, device=device)
+        stats = core.train_epoch(
+            model,
+            train_batches,
+            optimizer,
+            loss_fn,
+            device=device,
+            amp=amp,
+            scaler=scaler,
+            grad_accum=cfg.grad_accum,
+        )
+        val = core.evaluate(
+            model,
+            _batches(ray.train.get_dataset_shard("val"), cfg, device, generator, False),
+            num_classes,
+            device=device,
+        )
         confusion = _reduce_confusion(val["confusion"], device)
         support = confusion.sum(1)
         recall = [(confusion[i, i] / support[i]).item() if support[i] else None for i in range(num_classes)]
         checksum = _all_equal_checksums(model)
         seconds = time.perf_counter() - started
-        metrics = {"epoch": epoch, "train_loss": stats["loss"], "train_accuracy": stats["accuracy"],
-                   "val_accuracy": (confusion.diag().sum() / max(int(support.sum()), 1)).item(),
-                   "val_examples": int(support.sum()), "epoch_seconds": seconds,
-                   "images_per_second": stats["examples"] * context.get_world_size() / seconds,
-                   "workers": context.get_world_size(),
-                   "checksum": checksum, "per_class_recall": recall}
+        metrics = {
+            "epoch": epoch,
+            "train_loss": stats["loss"],
+            "train_accuracy": stats["accuracy"],
+            "val_accuracy": (confusion.diag().sum() / max(int(support.sum()), 1)).item(),
+            "val_examples": int(support.sum()),
+            "epoch_seconds": seconds,
+            "images_per_second": stats["examples"] * context.get_world_size() / seconds,
+            "workers": context.get_world_size(),
+            "checksum": checksum,
+            "per_class_recall": recall,
+        }
         history.append({k: v for k, v in metrics.items() if k != "per_class_recall"})
         if rank == 0:
-            for gauge, key in (("argus_train_loss", "train_loss"), ("argus_train_val_accuracy", "val_accuracy"),
-                               ("argus_train_images_per_second", "images_per_second"),
-                               ("argus_train_epoch_seconds", "epoch_seconds")):
-                dashboard.set_gauge(gauge, metrics[key], run=cfg["run_name"])
+            for gauge, key in (
+                ("argus_train_loss", "train_loss"),
+                ("argus_train_val_accuracy", "val_accuracy"),
+                ("argus_train_images_per_second", "images_per_second"),
+                ("argus_train_epoch_seconds", "epoch_seconds"),
+            ):
+                dashboard.set_gauge(gauge, metrics[key], run=cfg.run_name)
         with tempfile.TemporaryDirectory() as directory:
             report_checkpoint = None
             if rank == 0:
-                torch.save({"model": core.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-                            "scaler": scaler.state_dict() if scaler else None, "epoch": epoch,
-                            "rng": [torch.get_rng_state()], "history": history,
-                            "snapshots": cfg["snapshot_ids"], "classes": cfg["classes"]},
-                           Path(directory, CHECKPOINT_FILE))
+                torch.save(
+                    {
+                        "model": core.unwrap(model).state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "scaler": scaler.state_dict() if scaler else None,
+                        "epoch": epoch,
+                        "rng": [torch.get_rng_state()],
+                        "history": history,
+                        "snapshots": list(cfg.snapshot_ids),
+                        "classes": list(cfg.classes),
+                    },
+                    Path(directory, CHECKPOINT_FILE),
+                )
                 report_checkpoint = ray.train.Checkpoint.from_directory(directory)
             ray.train.report(metrics, checkpoint=report_checkpoint)
 
 
-def _with_fault(batches, cfg: dict, epoch: int):
-    steps_hint = cfg["steps_per_epoch_hint"]
+def _with_fault(batches, cfg: WorkerConfig, epoch: int):
+    steps_hint = cfg.steps_per_epoch_hint
     for step, batch in enumerate(batches):
         _maybe_inject_fault(cfg, epoch, step, steps_hint)
         yield batch
@@ -196,29 +246,14 @@ class TrainReport:
     checksum: str
 
 
-def select_snapshots(settings: Settings, wanted: tuple[str, ...] | None) -> list[dict]:
-    manifests = [m for m in list_manifests(settings) if m["topic"] == settings.topic and m["records"] > 0]
-    if wanted:
-        by_id = {m["snapshot_id"]: m for m in manifests}
-        missing = [s for s in wanted if s not in by_id]
-        if missing:
-            raise ValueError(f"unknown snapshots {missing}; available: {sorted(by_id)}")
-        manifests = [by_id[s] for s in wanted]
-    if not manifests:
-        raise ValueError(f"no snapshots with records under {settings.uri('snapshots')}: run `ingest` first")
-    sizes = {m["image_size"] for m in manifests}
-    if sizes != {settings.image_size}:
-        raise ValueError(f"snapshots have image sizes {sorted(sizes)} but --image-size is {settings.image_size}")
-    return manifests
-
-
-def build_datasets(settings: Settings, manifests: list[dict], classes: list[str], val_fraction: float,
-                   features: bool):
+def build_datasets(
+    settings: Settings, manifests: list[Manifest], classes: list[str], val_fraction: float, features: bool
+):
     """Train and validation datasets, split at the event-time quantile (newest slice validates)."""
     import ray.data
 
     ray.data.DataContext.get_current().execution_options.preserve_order = True  # reproducible shards
-    paths = [snapshot_uri(settings, m["snapshot_id"]) for m in manifests]
+    paths = [snapshot_uri(settings, m.snapshot_id) for m in manifests]
     column = "features" if features else "image"
     read_args = {"file_extensions": ["parquet"], "ray_remote_args": {"num_cpus": 0.25}}
     times = ray.data.read_parquet(paths, columns=["event_time", "label"], **read_args).to_pandas()
@@ -232,7 +267,10 @@ def build_datasets(settings: Settings, manifests: list[dict], classes: list[str]
         def keep(batch):
             rows = np.isin(batch["label"], classes) & ((batch["event_time"] >= cutoff) == newest)
             if rows.any():  # an empty tensor column would not convert to Arrow
-                yield {column: batch[column][rows], "label_index": encode_labels(batch["label"][rows], classes)}
+                yield {
+                    column: batch[column][rows],
+                    "label_index": encode_labels(batch["label"][rows], classes),
+                }
 
         return dataset.map_batches(keep, batch_format="numpy", num_cpus=0.25)
 
@@ -240,9 +278,9 @@ def build_datasets(settings: Settings, manifests: list[dict], classes: list[str]
     return train, val, cutoff, int((times < cutoff).sum()), int((times >= cutoff).sum())
 
 
-def class_weights(manifests: list[dict], classes: list[str]) -> list[float]:
+def class_weights(manifests: list[Manifest], classes: list[str]) -> list[float]:
     """Inverse-frequency weights, mean 1: rare classes count as much as common ones in the loss."""
-    counts = np.array([sum(m["label_counts"].get(c, 0) for m in manifests) for c in classes], dtype=np.float64)
+    counts = np.array([sum(m.label_counts.get(c, 0) for m in manifests) for c in classes], dtype=np.float64)
     weights = np.where(counts > 0, counts.sum() / np.maximum(counts, 1) / len(classes), 0.0)
     return (weights / weights[weights > 0].mean()).tolist()
 
@@ -252,47 +290,62 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from app import registry
-
     manifests = select_snapshots(settings, cfg.snapshots)
-    classes = list(settings.classes) if settings.classes else sorted({c for m in manifests for c in m["label_counts"]})
+    classes = discover_classes(manifests, settings.classes)
     if len(classes) < 2:
         raise ValueError(f"training needs at least two classes; the snapshots have {classes}")
-    features = all(m.get("features") for m in manifests)
-    backbone_weights = manifests[0].get("features_weights") if features else None
+    features = all(m.features for m in manifests)
+    backbone_weights = manifests[0].features_weights if features else None
     arch = "resnet50" if features else settings.model
-    train_ds, val_ds, cutoff, n_train, n_val = build_datasets(settings, manifests, classes, cfg.val_fraction, features)
+    train_ds, val_ds, cutoff, n_train, n_val = build_datasets(
+        settings, manifests, classes, cfg.val_fraction, features
+    )
     if n_val == 0 or n_train == 0:
         raise ValueError(f"the event-time split left {n_train} train and {n_val} validation records")
     log.info("training on %d records, validating on the newest %d (event time >= %d)", n_train, n_val, cutoff)
 
     run_name = cfg.run_name or time.strftime("train-%Y%m%d-%H%M%S")
     storage_path = settings.uri("checkpoints", "train")
-    os.makedirs(storage_path, exist_ok=True) if settings.is_local_storage else None
-    lineage = [{"snapshot_id": m["snapshot_id"],
-                "offsets": {p: {"start": o["start"], "end": o["end"]} for p, o in m["offsets"].items()}}
-               for m in manifests]
-    loop_config = {
-        "run_name": run_name, "model": arch, "features": features, "backbone_weights": backbone_weights,
-        "classes": classes, "epochs": cfg.epochs,
-        "batch_size": cfg.batch_size, "lr": cfg.lr, "seed": cfg.seed, "amp": cfg.amp,
-        "grad_accum": cfg.grad_accum, "balance": cfg.balance, "augment": cfg.augment,
-        "class_weights": class_weights(manifests, classes), "snapshot_ids": [m["snapshot_id"] for m in manifests],
-        "threads": max(1, int(cfg.cpus_per_worker)) if not cfg.use_gpu else 4,
-        "fail_at_epoch": cfg.fail_at_epoch, "fault_marker": f"{storage_path}/{run_name}/.fault-fired",
-        "steps_per_epoch_hint": max(1, n_train // (cfg.batch_size * cfg.max_workers)),
-    }
+    if settings.is_local_storage:
+        os.makedirs(storage_path, exist_ok=True)
+    worker_config = WorkerConfig(
+        run_name=run_name,
+        model=arch,
+        features=features,
+        backbone_weights=backbone_weights,
+        classes=tuple(classes),
+        epochs=cfg.epochs,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        seed=cfg.seed,
+        amp=cfg.amp,
+        grad_accum=cfg.grad_accum,
+        balance=cfg.balance,
+        augment=cfg.augment,
+        class_weights=tuple(class_weights(manifests, classes)),
+        snapshot_ids=tuple(m.snapshot_id for m in manifests),
+        threads=max(1, int(cfg.cpus_per_worker)) if not cfg.use_gpu else 4,
+        fail_at_epoch=cfg.fail_at_epoch,
+        fault_marker=f"{storage_path}/{run_name}/.fault-fired",
+        steps_per_epoch_hint=max(1, n_train // (cfg.batch_size * cfg.max_workers)),
+    )
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config,
+        train_loop_config=dataclasses.asdict(worker_config),
         # A (min, max) pair makes the worker group elastic: it starts with what fits and grows.
-        scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
-                                               resources_per_worker={"CPU": cfg.cpus_per_worker}),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=cfg.num_workers,
+            use_gpu=cfg.use_gpu,
+            resources_per_worker={"CPU": cfg.cpus_per_worker},
+        ),
         run_config=ray.train.RunConfig(
-            name=run_name, storage_path=storage_path,
+            name=run_name,
+            storage_path=storage_path,
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="val_accuracy",
-                                                         checkpoint_score_order="max")),
+            checkpoint_config=ray.train.CheckpointConfig(
+                num_to_keep=2, checkpoint_score_attribute="val_accuracy", checkpoint_score_order="max"
+            ),
+        ),
         datasets={"train": train_ds, "val": val_ds},
         dataset_config=_data_config(cfg),
     )
@@ -305,11 +358,38 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
     net = core.build_model(arch, len(classes), features=features, weights=backbone_weights)
     net.load_state_dict(state["model"])
 
-    card = registry.ModelCard(arch=arch, classes=classes, image_size=settings.image_size,
-                              features=features, training_kind="ddp", snapshots=lineage,
-                              metrics={"val_accuracy": best_metrics["val_accuracy"],
-                                       "train_loss": best_metrics["train_loss"], "epoch": best_metrics["epoch"]})
-    run_id = _log_run(settings, cfg, run_name, history, best_metrics, classes, loop_config)
+    card = registry.ModelCard(
+        arch=arch,
+        classes=classes,
+        image_size=settings.image_size,
+        features=features,
+        training_kind="ddp",
+        snapshots=[m.lineage() for m in manifests],
+        metrics={
+            "val_accuracy": best_metrics["val_accuracy"],
+            "train_loss": best_metrics["train_loss"],
+            "epoch": best_metrics["epoch"],
+        },
+    )
+    params = {
+        **{k: v for k, v in asdict(cfg).items() if k != "snapshots"},
+        "model": settings.model,
+        "image_size": settings.image_size,
+        "classes": ",".join(classes),
+        "snapshots": ",".join(worker_config.snapshot_ids),
+    }
+    recall = {
+        f"val_recall.{name}": r for name, r in zip(classes, best_metrics["per_class_recall"]) if r is not None
+    }
+    run_id = registry.log_run(
+        settings,
+        run_name=run_name,
+        params=params,
+        history=history,
+        step="epoch",
+        metrics=recall,
+        title=f"{run_name} ({settings.model})",
+    )
     version = registry.register(settings.tracking_uri, settings.model_name, run_id, net, card)
     if cfg.promote_if_better:
         promote_if_better(settings, version, best_metrics["val_accuracy"], val_ds, card)
@@ -328,24 +408,33 @@ def _data_config(cfg: TrainConfig) -> ray.train.DataConfig:
         return ray.train.DataConfig()
     guaranteed = cfg.num_workers[0] * (0 if cfg.use_gpu else cfg.cpus_per_worker)
     data_cpus = max(0.25, ray.cluster_resources().get("CPU", 1) - guaranteed)
-    return ray.train.DataConfig(execution_options=ExecutionOptions(resource_limits=ExecutionResources(cpu=data_cpus)))
+    return ray.train.DataConfig(
+        execution_options=ExecutionOptions(resource_limits=ExecutionResources(cpu=data_cpus))
+    )
 
 
 def promote_if_better(settings: Settings, version: str, accuracy: float, val_ds, card) -> bool:
     """Move the alias to `version` if it beats the champion on the same newest event-time slice."""
-    from app import registry
-
     champion = registry.resolve(settings.tracking_uri, settings.model_name, "champion")
     if champion is not None and champion != version:
         current = registry.load(settings.tracking_uri, settings.model_name, champion)
-        if (current.card.classes, current.card.image_size, current.card.features) != \
-                (card.classes, card.image_size, card.features):
-            log.warning("champion v%s has other classes, image size or inputs: not comparable; alias kept", champion)
+        if (current.card.classes, current.card.image_size, current.card.features) != (
+            card.classes,
+            card.image_size,
+            card.features,
+        ):
+            log.warning(
+                "champion v%s has other classes, image size or inputs: not comparable; alias kept", champion
+            )
             return False
         column = "features" if card.features else "image"
         batches = ((b[column], b["label_index"]) for b in val_ds.iter_torch_batches(batch_size=128))
-        champion_accuracy = core.evaluate(current.model, batches, len(card.classes), device=torch.device("cpu"))["accuracy"]
-        log.info("newest slice: v%s %.3f vs champion v%s %.3f", version, accuracy, champion, champion_accuracy)
+        champion_accuracy = core.evaluate(
+            current.model, batches, len(card.classes), device=torch.device("cpu")
+        )["accuracy"]
+        log.info(
+            "newest slice: v%s %.3f vs champion v%s %.3f", version, accuracy, champion, champion_accuracy
+        )
         if accuracy <= champion_accuracy:
             return False
     registry.promote(settings.tracking_uri, settings.model_name, version)
@@ -356,28 +445,3 @@ def promote_if_better(settings: Settings, version: str, accuracy: float, val_ds,
 def _load_checkpoint(checkpoint) -> dict:
     with checkpoint.as_directory() as directory:
         return torch.load(Path(directory, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
-
-
-def _log_run(settings: Settings, cfg: TrainConfig, run_name: str, history: list[dict], best: dict,
-             classes: list[str], loop_config: dict) -> str:
-    """Params, per-epoch metrics, per-class recall and the loss/accuracy curves as a PNG."""
-    from app import registry
-    from app.plots import save_curves
-
-    mlflow = registry._mlflow(settings.tracking_uri)
-    experiment = registry.experiment_id(settings.tracking_uri, registry.artifact_root(settings))
-    with mlflow.start_run(experiment_id=experiment, run_name=run_name) as run:
-        mlflow.log_params({**{k: v for k, v in asdict(cfg).items() if k != "snapshots"},
-                           "model": settings.model, "image_size": settings.image_size,
-                           "classes": ",".join(classes), "snapshots": ",".join(loop_config["snapshot_ids"])})
-        for row in history:
-            mlflow.log_metrics({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "epoch"},
-                               step=row["epoch"])
-        for name, recall in zip(classes, best["per_class_recall"]):
-            if recall is not None:
-                mlflow.log_metric(f"val_recall.{name}", recall)
-        with tempfile.TemporaryDirectory() as directory:
-            save_curves(history, f"{directory}/curves.png", title=f"{run_name} ({settings.model})")
-            Path(directory, "history.json").write_text(json.dumps(history, indent=2))
-            mlflow.log_artifacts(directory)
-        return run.info.run_id

@@ -7,6 +7,7 @@ oldest of them is (its Kafka timestamp against now), exports both as metrics, lo
 WARNING when the age exceeds `--lag-alert-s`, then ingests what is there. While `--pause-file`
 exists, ticks measure but do not ingest: an operator's brake, and how the alert is tested.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,7 +18,9 @@ from pathlib import Path
 
 from app import metrics
 from app.config import ConfigError, IngestConfig, Settings
-from app.data import _consumer, ingest, ledger_offsets, list_manifests, partitions_of, probe_end_offsets
+from app.ingest import ingest
+from app.kafka import make_consumer, partitions_of, probe_end_offsets
+from app.snapshot import ledger_offsets, list_manifests
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +64,7 @@ def measure_lag(settings: Settings, bootstrap_servers: str) -> Lag:
     oldest_ms = None
     pending = [TopicPartition(settings.topic, p, starts.get(p, 0)) for p in partitions if behind[p]]
     if pending:
-        consumer = _consumer(bootstrap_servers)
+        consumer = make_consumer(bootstrap_servers)
         try:
             consumer.assign(pending)
             seen: set[int] = set()
@@ -79,21 +82,33 @@ def measure_lag(settings: Settings, bootstrap_servers: str) -> Lag:
     return Lag(behind, age)
 
 
-def watch(settings: Settings, cfg: WatchConfig, ingest_cfg: IngestConfig, bootstrap_servers: str,
-          stop: threading.Event | None = None) -> int:
+def watch(
+    settings: Settings,
+    cfg: WatchConfig,
+    ingest_cfg: IngestConfig,
+    bootstrap_servers: str,
+    stop: threading.Event | None = None,
+) -> int:
     """Run ticks until `stop` is set or `max_ticks` ran; return the number of alerts raised."""
     stop = stop or threading.Event()
     alerts = ticks = 0
     while not stop.is_set():
         lag = measure_lag(settings, bootstrap_servers)
         for partition, records in lag.records.items():
-            metrics.set_gauge("argus_consumer_lag_records", records, topic=settings.topic, partition=partition)
+            metrics.set_gauge(
+                "argus_consumer_lag_records", records, topic=settings.topic, partition=partition
+            )
         metrics.set_gauge("argus_consumer_lag_seconds", lag.oldest_age_s, topic=settings.topic)
         if lag.oldest_age_s > cfg.lag_alert_s:
             alerts += 1
             metrics.inc("argus_lag_alerts", topic=settings.topic)
-            log.warning("LAG ALERT: %d records of %s wait, the oldest for %.1fs (threshold %.1fs)",
-                        lag.total, settings.topic, lag.oldest_age_s, cfg.lag_alert_s)
+            log.warning(
+                "LAG ALERT: %d records of %s wait, the oldest for %.1fs (threshold %.1fs)",
+                lag.total,
+                settings.topic,
+                lag.oldest_age_s,
+                cfg.lag_alert_s,
+            )
         paused = cfg.pause_file is not None and Path(cfg.pause_file).exists()
         if paused:
             log.info("paused by %s: %d records waiting", cfg.pause_file, lag.total)

@@ -4,6 +4,7 @@ repeats with medians, a process-tree memory sampler, and the summary/goal lines.
 Each bench compares Argus against a plain baseline *in the same run*, alternating the two so a
 noisy neighbour slows both, and prints ratios of medians. Nothing here asserts on timings.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +43,13 @@ def local_ray(num_cpus: int = 2) -> Iterator[None]:
     apply_serve_env()  # Serve as Argus runs it
     for attempt in range(3):
         try:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+            ray.init(
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                configure_logging=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+            )
             break
         except Exception as exc:  # "node timed out during startup" under heavy neighbour load
             if attempt == 2 or "timed out during startup" not in str(exc):
@@ -85,7 +91,7 @@ def synthetic_pool(unique: int, size: int, seed: int = 0) -> list:
 
 def produce_records(bootstrap: str, topic: str, n: int, pool: list, partitions: int = 4) -> float:
     """Publish n records cycling through `pool` with Argus's own producer; returns seconds."""
-    from app.data import ensure_topics, make_producer, record_headers
+    from app.kafka import ensure_topics, make_producer, record_headers
 
     ensure_topics(bootstrap, [topic, f"{topic}.dlq"], partitions)
     producer = make_producer(bootstrap)
@@ -94,8 +100,12 @@ def produce_records(bootstrap: str, topic: str, n: int, pool: list, partitions: 
     try:
         for i in range(n):
             record = pool[i % len(pool)]
-            future = producer.send(topic, key=record.user_id.encode(), value=record.value,
-                                   headers=record_headers(record.label, record.event_time_ms, record.device_id))
+            future = producer.send(
+                topic,
+                key=record.user_id.encode(),
+                value=record.value,
+                headers=record_headers(record.label, record.event_time_ms, record.device_id),
+            )
             future.add_errback(failures.append)
         producer.flush()
     finally:
@@ -113,12 +123,14 @@ def alternate(runs: dict[str, Callable[[], dict]], repeats: int, label: str = ""
     results: dict[str, list[dict]] = {name: [] for name in runs}
     names = list(runs)
     for round_ in range(repeats):
-        order = names[round_ % len(names):] + names[:round_ % len(names)]
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
         for name in order:
             result = runs[name]()
             results[name].append(result)
             shown = ", ".join(f"{k}={_fmt(v)}" for k, v in result.items() if isinstance(v, (int, float)))
-            print(f"  [{label}{' ' if label else ''}round {round_ + 1}/{repeats}] {name}: {shown}", flush=True)
+            print(
+                f"  [{label}{' ' if label else ''}round {round_ + 1}/{repeats}] {name}: {shown}", flush=True
+            )
     return results
 
 
@@ -230,9 +242,11 @@ def _pss_rss(pid: int) -> tuple[int, int]:
 
 def machine_line() -> str:
     load = os.getloadavg()
-    return (f"{time.strftime('%Y-%m-%d %H:%M')} · {platform.processor() or platform.machine()} · "
-            f"{os.cpu_count()} cores · load {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f} · "
-            f"python {platform.python_version()}")
+    return (
+        f"{time.strftime('%Y-%m-%d %H:%M')} · {platform.processor() or platform.machine()} · "
+        f"{os.cpu_count()} cores · load {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f} · "
+        f"python {platform.python_version()}"
+    )
 
 
 def print_table(title: str, header: list[str], rows: list[list]) -> None:
@@ -240,12 +254,17 @@ def print_table(title: str, header: list[str], rows: list[list]) -> None:
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     print(f"\n{title}")
     for i, row in enumerate(cells):
-        print("  " + "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))))
+        print(
+            "  "
+            + "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths)))
+        )
         if i == 0:
             print("  " + "  ".join("-" * w for w in widths))
 
 
-def goal_line(goal: str, measured: float, threshold: float, higher_is_better: bool = True, note: str = "") -> str:
+def goal_line(
+    goal: str, measured: float, threshold: float, higher_is_better: bool = True, note: str = ""
+) -> str:
     ok = measured >= threshold if higher_is_better else measured <= threshold
     sign = "≥" if higher_is_better else "≤"
     line = f"goal: {goal} {sign} {threshold:g}×: measured {measured:.2f}× ({'PASS' if ok else 'MISS'})"

@@ -7,16 +7,18 @@ A synthetic snapshot (5,000 records of 1,400 users at 32 px, laid out as ingest 
 written once under /tmp/argus-bench-fl.
 1. Round wall time. `federate` (Flower ServerApp + FedAvg behind the guard, the ClientApp in Ray
    actors of 1 CPU, fp16 updates, per-round checkpoints) against a plain loop in this process, no
-   Ray and no Flower, that trains the same clients in turn with the same `app.fl.local_train`,
-   takes the example-weighted mean and evaluates with `app.fl.local_evaluate`. Every client trains
-   and evaluates every round on both sides. The first round pays for actor start-up and data
-   loading, so steady rounds are compared: the fastest of rounds 2.. of a run (a noisy neighbour can
-   only slow a round down), then the median over alternating runs. Goal ≤ 1.2×.
+   Ray and no Flower, that trains the same clients in turn with the same
+   `app.fl.task.local_train`, takes the example-weighted mean and evaluates with
+   `app.fl.task.local_evaluate`. Every client trains and evaluates every round on both sides. The
+   first round pays for actor start-up and data loading, so steady rounds are compared: the fastest
+   of rounds 2.. of a run (a noisy neighbour can only slow a round down), then the median over
+   alternating runs. Goal ≤ 1.2×.
 2. Memory. `federate` with 100 and with 1,000 clients (10 sampled for training and 10 for
    evaluation per round), each in a fresh process whose whole tree (driver, GCS, raylet, actors) is
    sampled for PSS. The actor pool and each actor's data cache are bounded; goal: 10× the clients
    costs under 1.5× the memory (linear would be 10×).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,30 +45,52 @@ def make_snapshot(records: int, users: int) -> None:
     import pyarrow.parquet as pq
     from ray.data.extensions import ArrowTensorArray
 
-    from app.data import preprocess
+    from app.snapshot import MANIFEST, WriteStats, build_manifest
     from app.synth import generate
+    from app.transform import preprocess
 
     root = STORAGE / "snapshots" / SNAPSHOT
-    if (root / "_manifest.json").exists():
+    if (root / MANIFEST).exists():
         return
     started = time.perf_counter()
     rows = list(generate(records, seed=7, users=users, size=SIZE))
-    images = np.concatenate([preprocess([r.value for r in rows[i:i + 256]], SIZE).numpy()
-                             for i in range(0, len(rows), 256)])
-    table = pa.table({"partition": pa.array([0] * len(rows), pa.int32()),
-                      "offset": pa.array(range(len(rows)), pa.int64()),
-                      "key": [r.user_id for r in rows], "label": [r.label for r in rows],
-                      "event_time": pa.array([r.event_time_ms for r in rows], pa.int64()),
-                      "image": ArrowTensorArray.from_numpy(images)})
+    images = np.concatenate(
+        [preprocess([r.value for r in rows[i : i + 256]], SIZE).numpy() for i in range(0, len(rows), 256)]
+    )
+    table = pa.table(
+        {
+            "partition": pa.array([0] * len(rows), pa.int32()),
+            "offset": pa.array(range(len(rows)), pa.int64()),
+            "key": [r.user_id for r in rows],
+            "label": [r.label for r in rows],
+            "event_time": pa.array([r.event_time_ms for r in rows], pa.int64()),
+            "image": ArrowTensorArray.from_numpy(images),
+        }
+    )
     (root / "event_date=bench").mkdir(parents=True, exist_ok=True)
     pq.write_table(table, root / "event_date=bench" / "part-0.parquet")
-    labels = sorted({r.label for r in rows})
-    manifest = {"snapshot_id": SNAPSHOT, "topic": TOPIC, "records": len(rows), "image_size": SIZE, "features": None,
-                "classes": labels, "label_counts": {c: sum(r.label == c for r in rows) for c in labels},
-                "files": ["event_date=bench/part-0.parquet"], "offsets": {"0": {"start": 0, "end": len(rows)}}}
-    (root / "_manifest.json").write_text(json.dumps(manifest))
-    print(f"  snapshot: {len(rows)} records of {len({r.user_id for r in rows})} users in "
-          f"{time.perf_counter() - started:.0f}s", flush=True)
+    stats = WriteStats()
+    for offset in range(len(rows)):
+        stats.partition(0).add(offset, dead_letter=False)
+    stats.labels.update(r.label for r in rows)
+    stats.add_event_times(min(r.event_time_ms for r in rows), max(r.event_time_ms for r in rows))
+    stats.files.append("event_date=bench/part-0.parquet")
+    manifest = build_manifest(
+        settings(),
+        SNAPSHOT,
+        {0: (0, len(rows))},
+        {},
+        stats,
+        features=None,
+        features_weights=None,
+        allowed_lateness_s=3600.0,
+    )
+    (root / MANIFEST).write_text(manifest.to_json())
+    print(
+        f"  snapshot: {len(rows)} records of {len({r.user_id for r in rows})} users in "
+        f"{time.perf_counter() - started:.0f}s",
+        flush=True,
+    )
 
 
 def settings():
@@ -79,19 +103,21 @@ def sequential_fedavg(cfg) -> list[float]:
     """The baseline: each client trained in turn in this process, then the example-weighted mean."""
     import torch
 
-    from app import fl
     from app import model as core
-    from app.data import snapshot_uri
+    from app.fl.task import exchanged_keys, load_client_data, local_evaluate, local_train
+    from app.snapshot import read_manifest, snapshot_uri
 
-    classes = tuple(json.loads((STORAGE / "snapshots" / SNAPSHOT / "_manifest.json").read_text())["classes"])
+    classes = tuple(read_manifest(settings(), SNAPSHOT).classes)
     uris = (snapshot_uri(settings(), SNAPSHOT),)
     torch.manual_seed(cfg.seed)
     global_model = core.build_model("cnn", len(classes))
-    local, keys, datasets = copy.deepcopy(global_model), fl.exchanged_keys(global_model), {}
+    local, keys, datasets = copy.deepcopy(global_model), exchanged_keys(global_model), {}
 
     def data_of(client):  # loaded once, as an actor's cache does
         if client not in datasets:
-            datasets[client] = fl.load_client_data(uris, client, cfg.clients, cfg.seed, classes, cfg.val_fraction)
+            datasets[client] = load_client_data(
+                uris, client, cfg.clients, cfg.seed, classes, cfg.val_fraction
+            )
         return datasets[client]
 
     seconds = []
@@ -101,8 +127,16 @@ def sequential_fedavg(cfg) -> list[float]:
         total, summed = 0, {k: torch.zeros_like(v) for k, v in origin.items()}
         for client in range(cfg.clients):
             local.load_state_dict(origin, strict=False)
-            fl.local_train(local, data_of(client), epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr,
-                           mu=0.0, seed=server_round * 1000 + client, augment=cfg.augment)
+            local_train(
+                local,
+                data_of(client),
+                epochs=cfg.local_epochs,
+                batch_size=cfg.batch_size,
+                lr=cfg.lr,
+                mu=0.0,
+                seed=server_round * 1000 + client,
+                augment=cfg.augment,
+            )
             n = len(data_of(client).train_y)
             state = local.state_dict()
             for k in keys:
@@ -110,7 +144,7 @@ def sequential_fedavg(cfg) -> list[float]:
             total += n
         global_model.load_state_dict({k: origin[k] + summed[k] / total for k in keys}, strict=False)
         for client in range(cfg.clients):
-            fl.local_evaluate(global_model, data_of(client), len(classes))
+            local_evaluate(global_model, data_of(client), len(classes))
         seconds.append(time.perf_counter() - started)
     return seconds
 
@@ -125,31 +159,52 @@ def memory_child(clients: int) -> None:
     from app.fl import FederateConfig, federate
 
     with common.local_ray(num_cpus=2):
-        cfg = FederateConfig(rounds=2, clients=clients, clients_per_round=10, evaluate_clients=10, local_epochs=1,
-                             augment=False, run_name=f"bench-memory-{clients}-{time.time_ns()}")
+        cfg = FederateConfig(
+            rounds=2,
+            clients=clients,
+            clients_per_round=10,
+            evaluate_clients=10,
+            local_epochs=1,
+            augment=False,
+            run_name=f"bench-memory-{clients}-{time.time_ns()}",
+        )
         report = federate(settings(), cfg)
     print(json.dumps({"actors": report.num_actors, "round_s": [r["round_seconds"] for r in report.history]}))
 
 
 def measure_memory(clients: int) -> dict:
-    child = subprocess.Popen([sys.executable, __file__, "--memory-child", str(clients)], cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--memory-child", str(clients)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     with common.TreeMemorySampler(child.pid, interval_s=0.5) as sampler:
         out, err = child.communicate()
     lines = [line for line in out.splitlines() if line.startswith("{")]
     if child.returncode or not lines:
         sys.exit(f"the run with {clients} clients failed:\n{err[-3000:]}")
     result = json.loads(lines[-1])
-    return {"clients": clients, "pss_mb": sampler.peak_pss / 2**20, "rss_mb": sampler.peak_rss / 2**20,
-            "processes": sampler.peak_processes, "actors": result["actors"],
-            "steady_round_s": result["round_s"][-1]}
+    return {
+        "clients": clients,
+        "pss_mb": sampler.peak_pss / 2**20,
+        "rss_mb": sampler.peak_rss / 2**20,
+        "processes": sampler.peak_processes,
+        "actors": result["actors"],
+        "steady_round_s": result["round_s"][-1],
+    }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--records", type=int, default=5000)
     parser.add_argument("--users", type=int, default=1400)
-    parser.add_argument("--clients", type=int, default=8, help="clients in the timing runs (all train each round)")
+    parser.add_argument(
+        "--clients", type=int, default=8, help="clients in the timing runs (all train each round)"
+    )
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-memory", action="store_true")
@@ -163,36 +218,73 @@ def main() -> int:
     make_snapshot(args.records, args.users)
     from app.fl import FederateConfig, federate
 
-    cfg = FederateConfig(rounds=args.rounds, clients=args.clients, clients_per_round=args.clients, local_epochs=1,
-                         batch_size=32, augment=False, num_cpus_per_client=1.0, seed=1)
+    cfg = FederateConfig(
+        rounds=args.rounds,
+        clients=args.clients,
+        clients_per_round=args.clients,
+        local_epochs=1,
+        batch_size=32,
+        augment=False,
+        num_cpus_per_client=1.0,
+        seed=1,
+    )
     goals = []
     with common.local_ray(num_cpus=2):
+
         def flower():
             report = federate(settings(), dataclasses.replace(cfg, run_name=f"bench-time-{time.time_ns()}"))
-            return {**_summary([row["round_seconds"] for row in report.history]), "actors": report.num_actors,
-                    "mb_up": report.history[-1]["bytes_up"] / 1e6, "val_acc": report.metrics["val_accuracy"]}
+            return {
+                **_summary([row["round_seconds"] for row in report.history]),
+                "actors": report.num_actors,
+                "mb_up": report.history[-1]["bytes_up"] / 1e6,
+                "val_acc": report.metrics["val_accuracy"],
+            }
 
-        results = alternate({"sequential": lambda: _summary(sequential_fedavg(cfg)), "flower+ray": flower},
-                            args.repeats, label="timing")
+        results = alternate(
+            {"sequential": lambda: _summary(sequential_fedavg(cfg)), "flower+ray": flower},
+            args.repeats,
+            label="timing",
+        )
     base, ray_ = median_of(results["sequential"], "steady_s"), median_of(results["flower+ray"], "steady_s")
-    print_table(f"round wall time, {args.clients} clients all training and evaluating, {args.rounds} rounds "
-                f"(medians of {args.repeats} runs)", ["driver", "first round s", "fastest later round s", "MB up/round"],
-                [["sequential in-process FedAvg", median_of(results["sequential"], "first_s"), base, "-"],
-                 [f"Flower on {results['flower+ray'][0]['actors']} Ray actors (fp16)",
-                  median_of(results["flower+ray"], "first_s"), ray_, median_of(results["flower+ray"], "mb_up")]])
+    print_table(
+        f"round wall time, {args.clients} clients all training and evaluating, {args.rounds} rounds "
+        f"(medians of {args.repeats} runs)",
+        ["driver", "first round s", "fastest later round s", "MB up/round"],
+        [
+            ["sequential in-process FedAvg", median_of(results["sequential"], "first_s"), base, "-"],
+            [
+                f"Flower on {results['flower+ray'][0]['actors']} Ray actors (fp16)",
+                median_of(results["flower+ray"], "first_s"),
+                ray_,
+                median_of(results["flower+ray"], "mb_up"),
+            ],
+        ],
+    )
     paired = [f["steady_s"] / s["steady_s"] for s, f in zip(results["sequential"], results["flower+ray"])]
     print(f"  per-run ratios (Flower on Ray / sequential): {', '.join(f'{r:.2f}' for r in paired)}")
-    goals.append(goal_line("steady round, Flower on Ray vs sequential", ray_ / base, TIME_GOAL,
-                           higher_is_better=False))
+    goals.append(
+        goal_line("steady round, Flower on Ray vs sequential", ray_ / base, TIME_GOAL, higher_is_better=False)
+    )
 
     if not args.skip_memory:
         small, large = measure_memory(100), measure_memory(1000)
-        print_table("peak memory of the whole process tree, 10 clients sampled per round, 2 rounds",
-                    ["clients", "PSS MB", "RSS MB", "processes", "actors", "steady round s"],
-                    [[r["clients"], r["pss_mb"], r["rss_mb"], r["processes"], r["actors"], r["steady_round_s"]]
-                     for r in (small, large)])
-        goals.append(goal_line("peak PSS, 1,000 vs 100 clients", large["pss_mb"] / small["pss_mb"], MEMORY_GOAL,
-                               higher_is_better=False, note="(linear would be 10×)"))
+        print_table(
+            "peak memory of the whole process tree, 10 clients sampled per round, 2 rounds",
+            ["clients", "PSS MB", "RSS MB", "processes", "actors", "steady round s"],
+            [
+                [r["clients"], r["pss_mb"], r["rss_mb"], r["processes"], r["actors"], r["steady_round_s"]]
+                for r in (small, large)
+            ],
+        )
+        goals.append(
+            goal_line(
+                "peak PSS, 1,000 vs 100 clients",
+                large["pss_mb"] / small["pss_mb"],
+                MEMORY_GOAL,
+                higher_is_better=False,
+                note="(linear would be 10×)",
+            )
+        )
     print()
     for line in goals:
         print(line)

@@ -20,6 +20,7 @@ medians. Goals: batching on vs off ≥ 2× throughput; Serve p50 ≤ 1.3× the p
 
 No `from __future__ import annotations`: FastAPI resolves the plain server's route annotations.
 """
+
 import argparse
 import asyncio
 import os
@@ -47,11 +48,16 @@ def register_untrained(tracking_uri: str, artifact_root: str, model: str, image_
     torch.manual_seed(0)
     name = f"bench-{model}"
     classes = list(synth.DEFAULT_CLASSES)
-    mlflow = registry._mlflow(tracking_uri)
-    experiment = registry.experiment_id(tracking_uri, artifact_root)
-    with mlflow.start_run(experiment_id=experiment, run_name=f"bench-{model}") as run:
-        card = registry.ModelCard(arch=model, classes=classes, image_size=image_size, features=False,
-                                  training_kind="bench-untrained", snapshots=[], metrics={})
+    with registry.start_run(tracking_uri, artifact_root, f"bench-{model}") as run:
+        card = registry.ModelCard(
+            arch=model,
+            classes=classes,
+            image_size=image_size,
+            features=False,
+            training_kind="bench-untrained",
+            snapshots=[],
+            metrics={},
+        )
         registry.register(tracking_uri, name, run.info.run_id, build_model(model, len(classes)).eval(), card)
     return name
 
@@ -68,7 +74,7 @@ def plain_server(port: int, tracking_uri: str, models: list[str], threads: int) 
     from starlette.concurrency import run_in_threadpool
 
     from app import registry
-    from app.data import BadImage, preprocess
+    from app.transform import BadImage, preprocess
 
     torch.set_num_threads(threads)
     api = FastAPI()
@@ -84,8 +90,11 @@ def plain_server(port: int, tracking_uri: str, models: list[str], threads: int) 
         with torch.inference_mode():
             row = torch.softmax(current.model(inputs), dim=1)[0].tolist()
         best = max(range(len(row)), key=row.__getitem__)
-        return {"label": current.card.classes[best], "scores": dict(zip(current.card.classes, row)),
-                "model_version": current.version}
+        return {
+            "label": current.card.classes[best],
+            "scores": dict(zip(current.card.classes, row)),
+            "model_version": current.version,
+        }
 
     @api.post("/{model}/predict")
     async def predict(model: str, request: Request):
@@ -102,9 +111,22 @@ def start_plain_server(tracking_uri: str, models: list[str], threads: int) -> tu
     from app.broker import free_port
 
     port = free_port()
-    process = subprocess.Popen([sys.executable, __file__, "--plain-server", str(port), "--mlflow-uri", tracking_uri,
-                                "--models", ",".join(models), "--threads", str(threads)],
-                               cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--plain-server",
+            str(port),
+            "--mlflow-uri",
+            tracking_uri,
+            "--models",
+            ",".join(models),
+            "--threads",
+            str(threads),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     url = f"http://127.0.0.1:{port}"
     _wait_ok(f"{url}/healthz", 180, process)
     return process, url
@@ -136,13 +158,17 @@ async def _closed_loop(url: str, bodies: list[bytes], concurrency: int, total: i
     failures = 0
     next_index = iter(range(total))
     timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency), timeout=timeout) as session:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=concurrency), timeout=timeout
+    ) as session:
+
         async def client():
             nonlocal failures
             for i in next_index:
                 started = time.perf_counter()
-                async with session.post(url, data=bodies[i % len(bodies)],
-                                        headers={"Content-Type": "image/png"}) as response:
+                async with session.post(
+                    url, data=bodies[i % len(bodies)], headers={"Content-Type": "image/png"}
+                ) as response:
                     await response.read()
                     failures += response.status != 200
                 latencies.append(time.perf_counter() - started)
@@ -151,9 +177,12 @@ async def _closed_loop(url: str, bodies: list[bytes], concurrency: int, total: i
         await asyncio.gather(*(client() for _ in range(concurrency)))
         wall = time.perf_counter() - started
     latencies.sort()
-    return {"requests_per_s": total / wall, "p50_ms": 1000 * statistics.median(latencies),
-            "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-            "failures": failures}
+    return {
+        "requests_per_s": total / wall,
+        "p50_ms": 1000 * statistics.median(latencies),
+        "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        "failures": failures,
+    }
 
 
 def load_run(url: str, bodies: list[bytes], concurrency: int, total: int, warmup: int) -> dict:
@@ -193,15 +222,21 @@ def forward_rates(model: str, image_size: int, batch: int, threads: int, seconds
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="cnn,resnet18,resnet50", help="comma list of cnn, resnet18, resnet50")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--models", default="cnn,resnet18,resnet50", help="comma list of cnn, resnet18, resnet50"
+    )
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--requests", type=int, default=480, help="requests per measured run")
     parser.add_argument("--warmup", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=32, help="clients (above --batch-size)")
     parser.add_argument("--batch-size", type=int, default=16, help="max_batch_size with batching on")
     parser.add_argument("--batch-wait-s", type=float, default=0.01)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per replica and in the plain server")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads per replica and in the plain server"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--plain-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--mlflow-uri", help=argparse.SUPPRESS)
@@ -217,8 +252,11 @@ def main() -> int:
     bodies = [r.value for r in synth.generate(64, seed=9, size=args.image_size)]
     rows, goals, ceiling = [], [], []
     for model in models:
-        rates = alternate({"forward": lambda: forward_rates(model, args.image_size, args.batch_size, args.threads)},
-                          args.repeats, f"{model} model only")["forward"]
+        rates = alternate(
+            {"forward": lambda: forward_rates(model, args.image_size, args.batch_size, args.threads)},
+            args.repeats,
+            f"{model} model only",
+        )["forward"]
         b1, bn = median_of(rates, "batch1_images_per_s"), median_of(rates, "batchN_images_per_s")
         ceiling.append([model, b1, bn, f"{bn / b1:.2f}×"])
     with common.scratch_dir("argus-bench-serve-") as tmp:
@@ -239,13 +277,27 @@ def main() -> int:
                 for model in models:
                     for batch in (args.batch_size, 1):
                         prefix = f"/{model}-b{batch}"
-                        serve.run(build_app({"mlflow_uri": tracking_uri, "model_name": f"bench-{model}",
-                                             "max_batch_size": batch, "batch_wait_timeout_s": args.batch_wait_s,
-                                             "poll_s": 3600, "threads": args.threads}),
-                                  name=f"bench-{model}-b{batch}", route_prefix=prefix, blocking=False)
+                        serve.run(
+                            build_app(
+                                {
+                                    "mlflow_uri": tracking_uri,
+                                    "model_name": f"bench-{model}",
+                                    "max_batch_size": batch,
+                                    "batch_wait_timeout_s": args.batch_wait_s,
+                                    "poll_s": 3600,
+                                    "threads": args.threads,
+                                }
+                            ),
+                            name=f"bench-{model}-b{batch}",
+                            route_prefix=prefix,
+                            blocking=False,
+                        )
                         _wait_ok(f"{serve_url}{prefix}/healthz", 180)
-                print(f"Serve on {serve_url}, plain FastAPI on {plain_url}; {args.concurrency} concurrent clients, "
-                      f"{args.requests} requests per run, {args.image_size} px PNG bodies")
+                print(
+                    f"Serve on {serve_url}, plain FastAPI on {plain_url}; "
+                    f"{args.concurrency} concurrent clients, "
+                    f"{args.requests} requests per run, {args.image_size} px PNG bodies"
+                )
 
                 def run(url):
                     return lambda: load_run(url, bodies, args.concurrency, args.requests, args.warmup)
@@ -253,28 +305,55 @@ def main() -> int:
                 for model in models:
                     on, off, base = f"Serve batch ≤{args.batch_size}", "Serve batch 1", "plain FastAPI"
                     print(f"\n== {model}, {args.image_size} px")
-                    results = alternate({on: run(f"{serve_url}/{model}-b{args.batch_size}/predict"),
-                                         off: run(f"{serve_url}/{model}-b1/predict"),
-                                         base: run(f"{plain_url}/{model}/predict")}, args.repeats, model)
+                    results = alternate(
+                        {
+                            on: run(f"{serve_url}/{model}-b{args.batch_size}/predict"),
+                            off: run(f"{serve_url}/{model}-b1/predict"),
+                            base: run(f"{plain_url}/{model}/predict"),
+                        },
+                        args.repeats,
+                        model,
+                    )
                     for name, r in results.items():
-                        rows.append([f"{model} · {name}", median_of(r, "requests_per_s"), median_of(r, "p50_ms"),
-                                     median_of(r, "p99_ms")])
+                        rows.append(
+                            [
+                                f"{model} · {name}",
+                                median_of(r, "requests_per_s"),
+                                median_of(r, "p50_ms"),
+                                median_of(r, "p99_ms"),
+                            ]
+                        )
                     rps = {name: median_of(r, "requests_per_s") for name, r in results.items()}
                     p50 = {name: median_of(r, "p50_ms") for name, r in results.items()}
-                    goals.append(goal_line(f"batching on vs off throughput ({model})", rps[on] / rps[off], BATCH_GOAL))
-                    goals.append(goal_line(f"Serve (batching on) p50 vs plain FastAPI p50 ({model})",
-                                           p50[on] / p50[base], P50_GOAL, higher_is_better=False,
-                                           note=f"(throughput Serve/plain {rps[on] / rps[base]:.2f}×)"))
+                    goals.append(
+                        goal_line(f"batching on vs off throughput ({model})", rps[on] / rps[off], BATCH_GOAL)
+                    )
+                    goals.append(
+                        goal_line(
+                            f"Serve (batching on) p50 vs plain FastAPI p50 ({model})",
+                            p50[on] / p50[base],
+                            P50_GOAL,
+                            higher_is_better=False,
+                            note=f"(throughput Serve/plain {rps[on] / rps[base]:.2f}×)",
+                        )
+                    )
                 serve.shutdown()
         finally:
             plain.terminate()
             plain.wait(30)
 
     print("\n== summary")
-    print_table(f"model forward only, in this process, {args.threads} torch thread(s): what batching can gain at most",
-                ["model", "batch 1 img/s", f"batch {args.batch_size} img/s", "gain"], ceiling)
-    print_table(f"{args.concurrency} concurrent clients, {args.requests} requests per run (median of {args.repeats})",
-                ["endpoint", "requests/s", "p50 ms", "p99 ms"], rows)
+    print_table(
+        f"model forward only, in this process, {args.threads} torch thread(s): "
+        "what batching can gain at most",
+        ["model", "batch 1 img/s", f"batch {args.batch_size} img/s", "gain"],
+        ceiling,
+    )
+    print_table(
+        f"{args.concurrency} concurrent clients, {args.requests} requests per run (median of {args.repeats})",
+        ["endpoint", "requests/s", "p50 ms", "p99 ms"],
+        rows,
+    )
     print()
     for line in goals:
         print(line)

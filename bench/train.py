@@ -17,6 +17,7 @@
 3. bf16 autocast vs fp32 on this CPU: `train_epoch` in this process, same model, batch and
    threads, alternating; the issue says bf16 is ~40× slower here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,14 +50,18 @@ def timed_steps(model, cfg: dict, rank: int) -> dict:
     n = cfg["batch_size"] * 8  # eight distinct batches in memory, cycled
     images = torch.randn(n, 3, cfg["image_size"], cfg["image_size"], generator=generator)
     labels = torch.randint(0, NUM_CLASSES, (n,), generator=generator)
-    batches = [(images[i:i + cfg["batch_size"]], labels[i:i + cfg["batch_size"]])
-               for i in range(0, n, cfg["batch_size"])]
+    batches = [
+        (images[i : i + cfg["batch_size"]], labels[i : i + cfg["batch_size"]])
+        for i in range(0, n, cfg["batch_size"])
+    ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
     device = torch.device("cpu")
 
     def run(steps):
-        return train_epoch(model, (batches[i % len(batches)] for i in range(steps)), optimizer, loss_fn, device=device)
+        return train_epoch(
+            model, (batches[i % len(batches)] for i in range(steps)), optimizer, loss_fn, device=device
+        )
 
     run(cfg["warmup"])
     dist.barrier()
@@ -96,9 +101,11 @@ def ray_run(cfg: dict, storage: str) -> dict:
     result_path = Path(storage, f"result-{time.time_ns()}.json")
     result_path.parent.mkdir(parents=True, exist_ok=True)
     trainer = TorchTrainer(
-        ray_train_loop, train_loop_config={**cfg, "result_path": str(result_path)},
-        scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=False,
-                                               resources_per_worker={"CPU": cfg["cpus_per_worker"]}),
+        ray_train_loop,
+        train_loop_config={**cfg, "result_path": str(result_path)},
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=2, use_gpu=False, resources_per_worker={"CPU": cfg["cpus_per_worker"]}
+        ),
         run_config=ray.train.RunConfig(name=f"bench-{time.time_ns()}", storage_path=storage),
     )
     result = trainer.fit()
@@ -148,17 +155,33 @@ def plain_ddp_run(cfg: dict) -> dict:
 
 def full_path(args, tmp: Path) -> dict:
     from app.config import IngestConfig, Settings, TrainConfig
-    from app.data import ingest
+    from app.ingest import ingest
     from app.train import train
 
     with common.embedded_broker(tmp) as bootstrap:
-        settings = Settings(bootstrap_servers=bootstrap, topic="bench-train", storage=str(tmp / "data"),
-                            image_size=args.image_size, model=args.full_path_model, partitions=2)
+        settings = Settings(
+            bootstrap_servers=bootstrap,
+            topic="bench-train",
+            storage=str(tmp / "data"),
+            image_size=args.image_size,
+            model=args.full_path_model,
+            partitions=2,
+        )
         pool = common.synthetic_pool(600, args.image_size, seed=4)
         common.produce_records(bootstrap, settings.topic, args.full_path_records, pool, partitions=2)
         print(f"  {ingest(settings, IngestConfig(), bootstrap)}")
-        report = train(settings, TrainConfig(epochs=args.full_path_epochs, num_workers=2, batch_size=args.batch_size,
-                                             augment=False, balance="none", max_failures=0, amp="off"))
+        report = train(
+            settings,
+            TrainConfig(
+                epochs=args.full_path_epochs,
+                num_workers=2,
+                batch_size=args.batch_size,
+                augment=False,
+                balance="none",
+                max_failures=0,
+                amp="off",
+            ),
+        )
     return {"images_per_s": report.metrics["images_per_second"], "epochs": report.epochs}
 
 
@@ -177,15 +200,23 @@ def autocast_run(model_name: str, cfg: dict, amp: bool) -> dict:
     generator = torch.Generator().manual_seed(1)
     images = torch.randn(cfg["batch_size"] * 4, 3, cfg["image_size"], cfg["image_size"], generator=generator)
     labels = torch.randint(0, NUM_CLASSES, (len(images),), generator=generator)
-    batches = [(images[i:i + cfg["batch_size"]], labels[i:i + cfg["batch_size"]])
-               for i in range(0, len(images), cfg["batch_size"])]
+    batches = [
+        (images[i : i + cfg["batch_size"]], labels[i : i + cfg["batch_size"]])
+        for i in range(0, len(images), cfg["batch_size"])
+    ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     dtype = torch.bfloat16 if amp else None
     steps = cfg["amp_steps"]
 
     def run(n):
-        return train_epoch(model, (batches[i % len(batches)] for i in range(n)), optimizer, nn.CrossEntropyLoss(),
-                           device=torch.device("cpu"), amp=dtype)
+        return train_epoch(
+            model,
+            (batches[i % len(batches)] for i in range(n)),
+            optimizer,
+            nn.CrossEntropyLoss(),
+            device=torch.device("cpu"),
+            amp=dtype,
+        )
 
     run(2)
     started = time.perf_counter()
@@ -201,14 +232,18 @@ def _bf16_flags() -> str:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
         return "unknown"
-    return ", ".join(sorted({f for f in flags if f in ("avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")}))
+    return ", ".join(
+        sorted({f for f in flags if f in ("avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")})
+    )
 
 
 # ---------------------------------------------------------------- main
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--models", default="cnn", help="comma list of cnn, resnet18, resnet50")
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32, help="per-worker batch")
@@ -226,50 +261,103 @@ def main() -> int:
     args = parser.parse_args()
     print(f"bench/train.py · {common.machine_line()}")
     tables, goals = [], []
-    base = {"image_size": args.image_size, "batch_size": args.batch_size, "steps": args.steps,
-            "warmup": args.warmup, "threads": args.threads, "cpus_per_worker": args.cpus_per_worker}
+    base = {
+        "image_size": args.image_size,
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "threads": args.threads,
+        "cpus_per_worker": args.cpus_per_worker,
+    }
 
     with common.scratch_dir("argus-bench-train-") as tmp, common.local_ray(num_cpus=2):
         rows = []
         plain_by_model = {}
         for model in args.models.split(","):
             cfg = {**base, "model": model}
-            print(f"\n== step throughput: {model}, {args.image_size} px, batch {args.batch_size}/worker, "
-                  f"2 workers × {args.threads} thread(s), {args.steps} timed steps after {args.warmup}")
-            results = alternate({"Ray TorchTrainer": lambda: ray_run(cfg, str(tmp / "ray")),
-                                 "plain torch DDP": lambda: plain_ddp_run(cfg)}, args.repeats, model)
+            print(
+                f"\n== step throughput: {model}, {args.image_size} px, batch {args.batch_size}/worker, "
+                f"2 workers × {args.threads} thread(s), {args.steps} timed steps after {args.warmup}"
+            )
+            results = alternate(
+                {
+                    "Ray TorchTrainer": lambda: ray_run(cfg, str(tmp / "ray")),
+                    "plain torch DDP": lambda: plain_ddp_run(cfg),
+                },
+                args.repeats,
+                model,
+            )
             ray_rate = median_of(results["Ray TorchTrainer"], "images_per_s")
             plain_rate = median_of(results["plain torch DDP"], "images_per_s")
             plain_by_model[model] = plain_rate
             for name, r in results.items():
-                rows.append([f"{model} · {name}", median_of(r, "images_per_s"), median_of(r, "seconds"),
-                             median_of(r, "wall_s")])
-            goals.append(goal_line(f"Ray Train step throughput ({model}) vs plain DDP", ray_rate / plain_rate, GOAL))
-        tables.append((f"step throughput, images/s over both workers (median of {args.repeats})",
-                       ["run", "images/s", "timed s", "wall s (incl. start-up)"], rows))
+                rows.append(
+                    [
+                        f"{model} · {name}",
+                        median_of(r, "images_per_s"),
+                        median_of(r, "seconds"),
+                        median_of(r, "wall_s"),
+                    ]
+                )
+            goals.append(
+                goal_line(f"Ray Train step throughput ({model}) vs plain DDP", ray_rate / plain_rate, GOAL)
+            )
+        tables.append(
+            (
+                f"step throughput, images/s over both workers (median of {args.repeats})",
+                ["run", "images/s", "timed s", "wall s (incl. start-up)"],
+                rows,
+            )
+        )
 
         if args.full_path:
-            print(f"\n== full path: app.train.train, {args.full_path_model}, {args.full_path_records} records")
+            print(
+                f"\n== full path: app.train.train, {args.full_path_model}, {args.full_path_records} records"
+            )
             full = full_path(args, tmp / "full")
             plain = plain_by_model.get(args.full_path_model)
-            tables.append(("full Ray Data path (info: per-epoch rate incl. validation, checksums, checkpoint)",
-                           ["run", "images/s", "vs plain DDP"],
-                           [[f"{args.full_path_model} · app.train.train ({full['epochs']} epochs)",
-                             full["images_per_s"], f"{full['images_per_s'] / plain:.2f}×" if plain else "-"]]))
+            tables.append(
+                (
+                    "full Ray Data path (info: per-epoch rate incl. validation, checksums, checkpoint)",
+                    ["run", "images/s", "vs plain DDP"],
+                    [
+                        [
+                            f"{args.full_path_model} · app.train.train ({full['epochs']} epochs)",
+                            full["images_per_s"],
+                            f"{full['images_per_s'] / plain:.2f}×" if plain else "-",
+                        ]
+                    ],
+                )
+            )
 
     amp_rows = []
     amp_ratios = []
     for model in args.amp_models.split(","):
         cfg = {**base, "amp_steps": args.amp_steps}
-        print(f"\n== bf16 autocast vs fp32: {model}, {args.image_size} px, batch {args.batch_size}, "
-              f"{args.threads} thread(s), one process")
-        results = alternate({"fp32": lambda: autocast_run(model, cfg, False),
-                             "bf16 autocast": lambda: autocast_run(model, cfg, True)}, args.repeats, model)
-        fp32, bf16 = median_of(results["fp32"], "images_per_s"), median_of(results["bf16 autocast"], "images_per_s")
-        amp_rows += [[f"{model} · fp32", fp32, median_of(results["fp32"], "step_ms")],
-                     [f"{model} · bf16 autocast", bf16, median_of(results["bf16 autocast"], "step_ms")]]
+        print(
+            f"\n== bf16 autocast vs fp32: {model}, {args.image_size} px, batch {args.batch_size}, "
+            f"{args.threads} thread(s), one process"
+        )
+        results = alternate(
+            {
+                "fp32": lambda: autocast_run(model, cfg, False),
+                "bf16 autocast": lambda: autocast_run(model, cfg, True),
+            },
+            args.repeats,
+            model,
+        )
+        fp32, bf16 = (
+            median_of(results["fp32"], "images_per_s"),
+            median_of(results["bf16 autocast"], "images_per_s"),
+        )
+        amp_rows += [
+            [f"{model} · fp32", fp32, median_of(results["fp32"], "step_ms")],
+            [f"{model} · bf16 autocast", bf16, median_of(results["bf16 autocast"], "step_ms")],
+        ]
         amp_ratios.append((model, bf16 / fp32))
-    tables.append(("bf16 autocast vs fp32 training steps on this CPU", ["run", "images/s", "ms/step"], amp_rows))
+    tables.append(
+        ("bf16 autocast vs fp32 training steps on this CPU", ["run", "images/s", "ms/step"], amp_rows)
+    )
 
     print("\n== summary")
     for title, header, rows in tables:
@@ -278,8 +366,10 @@ def main() -> int:
     print(f"CPU bf16 features: {_bf16_flags() or 'none (no avx512_bf16 / AMX)'}")
     for model, speed in amp_ratios:
         verdict = f"{speed:.2f}× faster" if speed >= 1 else f"{1 / speed:.2f}× slower"
-        print(f"bf16 autocast vs fp32 on this CPU ({model}): bf16 runs at {speed:.2f}× fp32's images/s, i.e. "
-              f"{verdict} (the issue claims ~40× slower)")
+        print(
+            f"bf16 autocast vs fp32 on this CPU ({model}): bf16 runs at {speed:.2f}× fp32's images/s, i.e. "
+            f"{verdict} (the issue claims ~40× slower)"
+        )
     for line in goals:
         print(line)
     return 0

@@ -1,5 +1,6 @@
 """Shared fixtures: one real embedded broker and one real local Ray for the session; each test
 gets its own topic and storage dir, so tests never see each other's records."""
+
 from __future__ import annotations
 
 import os
@@ -8,8 +9,8 @@ import sys
 import threading
 import time
 import uuid
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -39,9 +40,15 @@ def ray_cluster():
     metrics_port = free_port()
     # Processes export metrics every second rather than every ten, so short tests see them. One
     # logical GPU: `--use-gpu` actor pools schedule, and torch, finding no CUDA, runs them on CPU.
-    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, configure_logging=False,
-             _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000},
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    ray.init(
+        num_cpus=2,
+        num_gpus=1,
+        include_dashboard=False,
+        configure_logging=False,
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+    )
     yield metrics_port
     ray.shutdown()
 
@@ -50,7 +57,7 @@ def _samples(metrics_port: int, names) -> dict[str, list[str]]:
     import requests
 
     text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text
-    return {n: [l for l in text.splitlines() if l.startswith(n + "{") or l.startswith(n + " ")] for n in names}
+    return {n: [line for line in text.splitlines() if line.startswith((n + "{", n + " "))] for n in names}
 
 
 def scrape(metrics_port: int, *names: str, timeout_s: float = 45) -> dict[str, list[str]]:
@@ -71,8 +78,10 @@ class MetricsWatcher:
     every sample of the named metrics. Ray 2.55 exports a gauge once per `set` and its endpoint
     drops it at the first scrape after, so a gauge is seen only by watching while the work runs."""
 
-    def __init__(self, metrics_port: int, *names: str):
-        self.metrics_port, self.names = metrics_port, names
+    def __init__(self, metrics_port: int, *names: str, match: str = ""):
+        # `match` keeps only samples containing it (a topic, a run name): samples that earlier tests
+        # left on the endpoint must not end the wait in `__exit__` before this test's arrive.
+        self.metrics_port, self.names, self.match = metrics_port, names, match
         self.seen: dict[str, list[str]] = {n: [] for n in names}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -83,13 +92,13 @@ class MetricsWatcher:
         while True:
             try:
                 for name, lines in _samples(self.metrics_port, self.names).items():
-                    self.seen[name] += lines
+                    self.seen[name] += [line for line in lines if self.match in line]
             except requests.RequestException:  # a busy agent answers late; the next poll catches up
                 pass
             if self._stop.wait(0.5):
                 return
 
-    def __enter__(self) -> "MetricsWatcher":
+    def __enter__(self) -> MetricsWatcher:
         self._thread.start()
         return self
 
@@ -104,29 +113,62 @@ class MetricsWatcher:
 
 @pytest.fixture
 def settings(tmp_path, broker) -> Settings:
-    return Settings(bootstrap_servers=broker, topic=f"t-{uuid.uuid4().hex[:8]}", storage=str(tmp_path / "data"),
-                    image_size=TEST_IMAGE_SIZE, model="cnn", partitions=3)
+    return Settings(
+        bootstrap_servers=broker,
+        topic=f"t-{uuid.uuid4().hex[:8]}",
+        storage=str(tmp_path / "data"),
+        image_size=TEST_IMAGE_SIZE,
+        model="cnn",
+        partitions=3,
+    )
 
 
 def child_env(**overrides: str) -> dict[str, str]:
     """This process's environment without the variables that would point a child at another test's
     broker, storage, MLflow or Ray (`mlflow.set_tracking_uri` exports MLFLOW_TRACKING_URI)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("KAFKA_BOOTSTRAP_SERVERS", "ARGUS_TOPIC", "ARGUS_STORAGE", "MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "KAFKA_BOOTSTRAP_SERVERS",
+            "ARGUS_TOPIC",
+            "ARGUS_STORAGE",
+            "MLFLOW_TRACKING_URI",
+            "RAY_ADDRESS",
+        )
+    }
     return {**env, **overrides}
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -m app ARGS` in a subprocess, as a user would run it."""
     full_env = child_env(PYTHONPATH=str(ROOT), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, env=full_env,
-                          timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def settings_args(settings: Settings) -> list[str]:
-    return ["--bootstrap-servers", settings.bootstrap_servers, "--topic", settings.topic,
-            "--storage", settings.storage, "--image-size", str(settings.image_size), "--model", settings.model,
-            "--partitions", str(settings.partitions)]
+    return [
+        "--bootstrap-servers",
+        settings.bootstrap_servers,
+        "--topic",
+        settings.topic,
+        "--storage",
+        settings.storage,
+        "--image-size",
+        str(settings.image_size),
+        "--model",
+        settings.model,
+        "--partitions",
+        str(settings.partitions),
+    ]
 
 
 TRAIN_GAUGES = ("ray_argus_train_loss", "ray_argus_train_images_per_second", "ray_argus_train_epoch_seconds")
@@ -144,14 +186,23 @@ class Trained(NamedTuple):
 def trained(tmp_path_factory, broker, ray_cluster):
     """One snapshot of synthetic records and one registered model, shared by train and serve tests."""
     from app.config import IngestConfig, ProduceConfig, TrainConfig
-    from app.data import ingest, produce
+    from app.ingest import ingest
+    from app.produce import produce
     from app.train import train
 
-    settings = Settings(bootstrap_servers=broker, topic=f"t-{uuid.uuid4().hex[:8]}",
-                        storage=str(tmp_path_factory.mktemp("trained") / "data"), image_size=TEST_IMAGE_SIZE,
-                        model="cnn", partitions=2)
-    produce(settings, ProduceConfig(synthetic=480, seed=5, source_image_size=TEST_IMAGE_SIZE, corrupt_fraction=0.02),
-            broker)
+    settings = Settings(
+        bootstrap_servers=broker,
+        topic=f"t-{uuid.uuid4().hex[:8]}",
+        storage=str(tmp_path_factory.mktemp("trained") / "data"),
+        image_size=TEST_IMAGE_SIZE,
+        model="cnn",
+        partitions=2,
+    )
+    produce(
+        settings,
+        ProduceConfig(synthetic=480, seed=5, source_image_size=TEST_IMAGE_SIZE, corrupt_fraction=0.02),
+        broker,
+    )
     snapshot = ingest(settings, IngestConfig(), broker)
     train_config = TrainConfig(epochs=3, num_workers=2, batch_size=32, lr=3e-3, seed=11, max_failures=0)
     with MetricsWatcher(ray_cluster, *TRAIN_GAUGES) as watcher:

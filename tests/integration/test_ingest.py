@@ -2,6 +2,7 @@
 
 Every consumed offset must land exactly once: in a snapshot or in the dead-letter topic.
 """
+
 from __future__ import annotations
 
 import io
@@ -16,19 +17,28 @@ from PIL import Image
 
 from app import synth
 from app.config import IngestConfig, ProduceConfig
-from app.data import (MANIFEST, SCHEMA_VERSION, ingest, list_manifests, make_producer, preprocess, produce,
-                      record_headers, snapshot_uri)
+from app.ingest import ingest
+from app.kafka import SCHEMA_VERSION, make_producer, record_headers
+from app.produce import produce
+from app.snapshot import MANIFEST, list_manifests, snapshot_uri
+from app.transform import preprocess
+
 from conftest import run_cli, settings_args
 
 
 def consume_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 30) -> list:
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False,
-                             consumer_timeout_ms=2000)
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        consumer_timeout_ms=2000,
+    )
     partitions = consumer.partitions_for_topic(topic) or set()
     consumer.assign([TopicPartition(topic, p) for p in partitions])
     consumer.seek_to_beginning()
     records = []
     import time
+
     deadline = time.monotonic() + timeout_s
     while len(records) < expected and time.monotonic() < deadline:
         records.extend(consumer)
@@ -45,21 +55,30 @@ def snapshot_rows(settings, snapshot_id: str) -> list[dict]:
 def send(settings, records) -> list[tuple[int, int]]:
     """Publish (key, value, label, event_time) through a batching producer; return (partition, offset)s."""
     producer = make_producer(settings.bootstrap_servers, linger_ms=50)
-    futures = [producer.send(settings.topic, key=key.encode(), value=value,
-                             headers=record_headers(label, event_time, "dev-1")) for key, value, label, event_time in records]
+    futures = [
+        producer.send(
+            settings.topic, key=key.encode(), value=value, headers=record_headers(label, event_time, "dev-1")
+        )
+        for key, value, label, event_time in records
+    ]
     producer.flush()
     producer.close()
     return [(f.get().partition, f.get().offset) for f in futures]
 
 
 def valid_records(n: int, seed: int, size: int = 32) -> list[tuple]:
-    return [(r.user_id, r.value, r.label, r.event_time_ms)
-            for r in synth.generate(n, seed=seed, size=size, late_fraction=0.0, corrupt_fraction=0.0)]
+    return [
+        (r.user_id, r.value, r.label, r.event_time_ms)
+        for r in synth.generate(n, seed=seed, size=size, late_fraction=0.0, corrupt_fraction=0.0)
+    ]
 
 
 def test_produce_synthetic_follows_the_contract(settings):
-    report = produce(settings, ProduceConfig(synthetic=40, corrupt_fraction=0.0, source_image_size=32),
-                     settings.bootstrap_servers)
+    report = produce(
+        settings,
+        ProduceConfig(synthetic=40, corrupt_fraction=0.0, source_image_size=32),
+        settings.bootstrap_servers,
+    )
     assert report.records == 40 and report.bytes > 0
     records = consume_all(settings.bootstrap_servers, settings.topic, 40)
     assert len(records) == 40
@@ -84,7 +103,9 @@ def test_produce_from_dir(settings, tmp_path):
     result = run_cli("produce", "--from-dir", str(tmp_path / "images"), *settings_args(settings))
     assert result.returncode == 0, result.stderr
     assert "produced 4 records" in result.stdout and "records/s" in result.stdout
-    labels = Counter(dict(r.headers)["label"].decode() for r in consume_all(settings.bootstrap_servers, settings.topic, 4))
+    labels = Counter(
+        dict(r.headers)["label"].decode() for r in consume_all(settings.bootstrap_servers, settings.topic, 4)
+    )
     assert labels == {"normal": 2, "ransom_note": 2}
 
 
@@ -122,7 +143,9 @@ def test_ingest_is_exact_and_resumable(settings, ray_cluster):
 
     dead = consume_all(settings.bootstrap_servers, settings.dlq_topic, 11)
     assert len(dead) == 11
-    dead_sources = {(int(dict(d.headers)["source_partition"]), int(dict(d.headers)["source_offset"])) for d in dead}
+    dead_sources = {
+        (int(dict(d.headers)["source_partition"]), int(dict(d.headers)["source_offset"])) for d in dead
+    }
     assert dead_sources == bad
     errors = Counter(dict(d.headers)["error"].decode().split(":")[0].split(" ")[0] for d in dead)
     assert errors == {"undecodable": 5, "unknown": 5, "record": 1}
@@ -153,7 +176,7 @@ def test_ingest_killed_then_rerun_loses_and_duplicates_nothing(settings, ray_clu
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert run_cli(*args).stdout.strip().startswith("nothing new")
     manifests = list_manifests(settings)
-    rows = [row for m in manifests for row in snapshot_rows(settings, m["snapshot_id"])]
+    rows = [row for m in manifests for row in snapshot_rows(settings, m.snapshot_id)]
     assert len(rows) == 30 and {(r["partition"], r["offset"]) for r in rows} == set(coordinates)
 
 
@@ -163,7 +186,7 @@ def test_ingest_with_use_gpu_puts_the_preprocessing_actors_on_gpus(settings, ray
     import ray
     import ray.data
 
-    from app.data import Preprocessor, preprocess_batches
+    from app.preprocess import Preprocessor, preprocess_batches
 
     coordinates = send(settings, valid_records(20, seed=4))
     report = ingest(settings, IngestConfig(use_gpu=True), settings.bootstrap_servers)
@@ -178,26 +201,3 @@ def test_ingest_with_use_gpu_puts_the_preprocessing_actors_on_gpus(settings, ray
 
     probe = preprocess_batches(ray.data.range(8), settings, IngestConfig(use_gpu=True), ResourceProbe)
     assert {row["held"] for row in probe.take_all()} == {json.dumps({"GPU": 1.0})}
-
-
-def test_preprocess_normalises_with_imagenet_statistics():
-    white = io.BytesIO()
-    Image.new("RGB", (50, 30), (255, 255, 255)).save(white, format="PNG")
-    tensor = preprocess([white.getvalue()], 16)
-    assert tensor.shape == (1, 3, 16, 16)
-    expected = (1 - np.array([0.485, 0.456, 0.406])) / np.array([0.229, 0.224, 0.225])
-    assert np.allclose(tensor[0, :, 5, 5].numpy(), expected, atol=1e-5)
-
-
-@pytest.mark.parametrize("height, width, size", [(128, 128, 64), (37, 91, 64), (300, 17, 224), (64, 64, 224),
-                                                 (500, 400, 32), (224, 224, 224)])
-def test_resize_is_torchvisions_antialiased_bilinear_bit_for_bit(height, width, size):
-    """The transform resizes with torch alone (workers skip importing torchvision); the pixels are
-    exactly what torchvision's resize gives, down- and upscaling, square or not."""
-    import torchvision.transforms.v2.functional as F
-
-    from app.data import resize_uint8
-
-    image = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
-    chw = image.permute(2, 0, 1)
-    assert torch.equal(resize_uint8(chw, size), F.resize(chw, [size, size], antialias=True))

@@ -26,7 +26,7 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KUBERAY = REPO / "kuberay"
 MANIFESTS = {"RayCluster": "raycluster.yaml", "RayJob": "rayjob.yaml", "RayService": "rayservice.yaml"}
 CONFIGMAP = "argus-config"
@@ -77,7 +77,10 @@ def schema_dir() -> Path:
     for d in candidates:
         if d.is_dir():
             return d
-    pytest.skip(f"KubeRay CRD schemas not found (set ARGUS_KUBERAY_SCHEMAS; looked in {', '.join(map(str, candidates))})")
+    pytest.skip(
+        "KubeRay CRD schemas not found "
+        f"(set ARGUS_KUBERAY_SCHEMAS; looked in {', '.join(map(str, candidates))})"
+    )
 
 
 def strict(schema):
@@ -127,7 +130,9 @@ def crd_validator(kind: str) -> jsonschema.Draft7Validator:
 def test_manifest_matches_crd_schema(kind):
     cr = load_cr(kind)
     assert cr["apiVersion"] == "ray.io/v1"
-    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in crd_validator(kind).iter_errors(cr)]
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in crd_validator(kind).iter_errors(cr)
+    ]
     assert not errors, f"{MANIFESTS[kind]}:\n" + "\n".join(errors)
 
 
@@ -160,7 +165,9 @@ CLUSTER_BREAKS = {
 }
 KIND_BREAKS = {
     "RayJob": {
-        "shutdownAfterJobFinishes-as-string": lambda cr: cr["spec"].__setitem__("shutdownAfterJobFinishes", "yes"),
+        "shutdownAfterJobFinishes-as-string": lambda cr: cr["spec"].__setitem__(
+            "shutdownAfterJobFinishes", "yes"
+        ),
         "ttl-as-string": lambda cr: cr["spec"].__setitem__("ttlSecondsAfterFinished", "600"),
     },
     "RayService": {
@@ -191,7 +198,9 @@ def test_configmap_identical_in_every_manifest_and_used_by_every_container():
     for kind, fname in MANIFESTS.items():
         (cm,) = [d for d in load_docs(kind) if d.get("kind") == "ConfigMap"]
         assert cm["metadata"]["name"] == CONFIGMAP
-        assert all(isinstance(v, str) and v for v in cm["data"].values()), f"{fname}: ConfigMap values must be strings"
+        assert all(isinstance(v, str) and v for v in cm["data"].values()), (
+            f"{fname}: ConfigMap values must be strings"
+        )
         maps[fname] = cm
         for c in containers(cluster_spec(load_cr(kind))):
             refs = [e["configMapRef"]["name"] for e in c.get("envFrom", []) if "configMapRef" in e]
@@ -210,7 +219,9 @@ def test_cluster_shape(kind):
     assert {p["containerPort"] for p in head_container["ports"]} >= HEAD_PORTS
     assert "nvidia.com/gpu" not in head_container["resources"]["limits"], "the head is meant to be CPU-only"
     for c in containers(spec):
-        assert c["resources"]["limits"] and c["resources"]["requests"], f"{c['name']}: set limits and requests"
+        assert c["resources"]["limits"] and c["resources"]["requests"], (
+            f"{c['name']}: set limits and requests"
+        )
     assert spec["workerGroupSpecs"], "no worker group"
     for g in spec["workerGroupSpecs"]:
         assert g["minReplicas"] <= g.get("replicas", g["minReplicas"]) <= g["maxReplicas"]
@@ -227,7 +238,9 @@ def test_all_manifests_run_one_image():
         version = tomllib.loads(pyproject.read_text()).get("project", {}).get("version")
         if version:  # a dynamic version cannot be checked statically
             (image,) = images
-            assert image.rsplit(":", 1)[-1] == version, f"{image} is not tagged with the project version {version}"
+            assert image.rsplit(":", 1)[-1] == version, (
+                f"{image} is not tagged with the project version {version}"
+            )
 
 
 def test_head_services_do_not_collide():
@@ -329,7 +342,9 @@ def test_cluster_yaml_passes_ray_validation():
     validate_config(config)
     nodes = config["available_node_types"]
     assert config["head_node_type"] in nodes
-    assert any(t["resources"].get("GPU", 0) >= 1 for name, t in nodes.items() if name != config["head_node_type"])
+    assert any(
+        t["resources"].get("GPU", 0) >= 1 for name, t in nodes.items() if name != config["head_node_type"]
+    )
     for local in config["file_mounts"].values():
         assert (REPO / local).exists(), f"file_mounts source {local} does not exist relative to the repo root"
     assert any("pip install" in cmd and "~/argus" in cmd for cmd in config["setup_commands"])
@@ -347,7 +362,14 @@ def test_cluster_yaml_passes_ray_validation():
         lambda c: c.__setitem__("max_worker", 4),  # typo: the launcher's schema is closed
         lambda c: c.pop("provider"),
     ],
-    ids=["unknown-head-type", "max_workers-string", "max_workers-negative", "gpu-as-string", "misspelt", "no-provider"],
+    ids=[
+        "unknown-head-type",
+        "max_workers-string",
+        "max_workers-negative",
+        "gpu-as-string",
+        "misspelt",
+        "no-provider",
+    ],
 )
 def test_broken_cluster_yaml_fails(mutate):
     broken = launcher_config()
@@ -383,7 +405,9 @@ def test_every_node_runs_serve_with_the_apps_serve_env():
     from app.cluster import SERVE_ENV
 
     dockerfile = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
-    image_env = dict(re.findall(r"\b(RAY_SERVE_\w+)=(\S+)", " ".join(re.findall(r"^ENV (.+)$", dockerfile, re.M))))
+    image_env = dict(
+        re.findall(r"\b(RAY_SERVE_\w+)=(\S+)", " ".join(re.findall(r"^ENV (.+)$", dockerfile, re.M)))
+    )
     assert image_env == SERVE_ENV
     launcher = yaml.safe_load((REPO / "cluster.yaml").read_text())
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):

@@ -1,4 +1,5 @@
 """Serving over real HTTP on 127.0.0.1: Ray Serve, the registry's alias, and input safety."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +16,7 @@ from PIL import Image
 from app import registry, synth
 from app.broker import free_port
 from app.config import ServeConfig
-from app.data import preprocess
+from app.transform import preprocess
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,9 @@ def test_predictions_match_the_offline_model(trained, endpoint):
     offline = registry.load(settings.tracking_uri, settings.model_name, report.version)
     for seed in range(4):
         _, value = _png(seed)
-        answer = requests.post(f"{endpoint}/predict", data=value, headers={"Content-Type": "image/png"}, timeout=30)
+        answer = requests.post(
+            f"{endpoint}/predict", data=value, headers={"Content-Type": "image/png"}, timeout=30
+        )
         assert answer.status_code == 200, answer.text
         body = answer.json()
         with torch.inference_mode():
@@ -49,7 +52,9 @@ def test_predictions_match_the_offline_model(trained, endpoint):
         assert body["model_version"] == report.version
         assert body["label"] == offline.card.classes[int(expected.argmax())]
         assert [body["scores"][c] for c in offline.card.classes] == pytest.approx(expected.tolist(), abs=1e-5)
-    multipart = requests.post(f"{endpoint}/predict", files={"image": ("x.png", value, "image/png")}, timeout=30)
+    multipart = requests.post(
+        f"{endpoint}/predict", files={"image": ("x.png", value, "image/png")}, timeout=30
+    )
     assert multipart.status_code == 200 and multipart.json()["label"] == body["label"]
 
 
@@ -64,7 +69,9 @@ def test_bad_input_is_a_json_4xx_and_the_service_keeps_serving(endpoint):
         (bomb.getvalue(), "image/png", 400),
     ]
     for body, content_type, status in cases:
-        answer = requests.post(f"{endpoint}/predict", data=body, headers={"Content-Type": content_type}, timeout=30)
+        answer = requests.post(
+            f"{endpoint}/predict", data=body, headers={"Content-Type": content_type}, timeout=30
+        )
         assert answer.status_code == status, (content_type, answer.text)
         assert answer.headers["content-type"].startswith("application/json")
         assert answer.json()["error"]
@@ -72,7 +79,10 @@ def test_bad_input_is_a_json_4xx_and_the_service_keeps_serving(endpoint):
     assert missing_field.status_code == 400 and "image" in missing_field.json()["error"]
     assert requests.get(f"{endpoint}/nope", timeout=10).json() == {"error": "Not Found"}
     _, value = _png(7)
-    assert requests.post(f"{endpoint}/predict", data=value, headers={"Content-Type": "image/png"}).status_code == 200
+    assert (
+        requests.post(f"{endpoint}/predict", data=value, headers={"Content-Type": "image/png"}).status_code
+        == 200
+    )
 
 
 def test_healthz_model_and_docs(trained, endpoint):
@@ -96,8 +106,12 @@ def test_drift_is_found_in_shifted_traffic_only(trained, endpoint):
     def send(records, transform=lambda value: value):
         started = time.time()
         for record in records:
-            answer = requests.post(f"{endpoint}/predict", data=transform(record.value),
-                                   headers={"Content-Type": "image/png"}, timeout=30)
+            answer = requests.post(
+                f"{endpoint}/predict",
+                data=transform(record.value),
+                headers={"Content-Type": "image/png"},
+                timeout=30,
+            )
             assert answer.status_code == 200
         return time.time() - started + 1
 
@@ -120,19 +134,20 @@ def test_drift_is_found_in_shifted_traffic_only(trained, endpoint):
 def test_promote_switches_versions_with_no_failed_request(trained, endpoint):
     settings, _, _, report, _ = trained
     current = registry.load(settings.tracking_uri, settings.model_name, report.version)
-    mlflow = registry._mlflow(settings.tracking_uri)
-    experiment = registry.experiment_id(settings.tracking_uri, registry.artifact_root(settings))
-    with mlflow.start_run(experiment_id=experiment, run_name="candidate") as run:
+    with registry.start_run(settings.tracking_uri, registry.artifact_root(settings), "candidate") as run:
         card = dataclasses.replace(current.card, training_kind="federated")
-        candidate = registry.register(settings.tracking_uri, settings.model_name, run.info.run_id, current.model, card)
+        candidate = registry.register(
+            settings.tracking_uri, settings.model_name, run.info.run_id, current.model, card
+        )
     _, value = _png(3)
     answers, stop = [], threading.Event()
 
     def traffic():
         while not stop.is_set():
             try:
-                response = requests.post(f"{endpoint}/predict", data=value, headers={"Content-Type": "image/png"},
-                                         timeout=30)
+                response = requests.post(
+                    f"{endpoint}/predict", data=value, headers={"Content-Type": "image/png"}, timeout=30
+                )
                 answers.append((response.status_code, response.json().get("model_version")))
             except requests.RequestException as exc:
                 answers.append((0, str(exc)))
@@ -163,5 +178,5 @@ def test_requests_are_counted_by_status_and_version(trained, endpoint, ray_clust
     requests.post(f"{endpoint}/predict", data=b"x", headers={"Content-Type": "text/plain"}, timeout=10)
     lines = scrape(ray_cluster, "ray_argus_serve_requests_total", "ray_argus_serve_latency_seconds_bucket")
     counts = lines["ray_argus_serve_requests_total"]
-    assert any('status="200"' in l and f'model_version="{report.version}"' in l for l in counts)
-    assert any('status="415"' in l for l in counts)
+    assert any('status="200"' in line and f'model_version="{report.version}"' in line for line in counts)
+    assert any('status="415"' in line for line in counts)

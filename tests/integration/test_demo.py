@@ -1,5 +1,6 @@
 """`python -m app demo` end to end, as `make demo` runs it (small, so CI can afford it), held at the
 end so the test can see the dashboard and the endpoint live, then stopped with Ctrl-C."""
+
 import re
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import requests
 
 from app import synth
 from app.broker import free_port
+
 from conftest import ROOT, child_env
 
 
@@ -34,9 +36,29 @@ def test_demo_serves_predictions_rolls_out_and_shows_the_dashboard(tmp_path):
     http_port = free_port()
     stderr = open(tmp_path / "demo.stderr", "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "app", "demo", "--storage", str(tmp_path), "--records", "360", "--epochs", "1",
-         "--rounds", "2", "--http-port", str(http_port), "--hold"],
-        stdout=subprocess.PIPE, stderr=stderr, text=True, env=child_env(PYTHONPATH=str(ROOT)), cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "app",
+            "demo",
+            "--storage",
+            str(tmp_path),
+            "--records",
+            "360",
+            "--epochs",
+            "1",
+            "--rounds",
+            "2",
+            "--http-port",
+            str(http_port),
+            "--hold",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=child_env(PYTHONPATH=str(ROOT)),
+        cwd=ROOT,
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
     reader.start()
@@ -50,8 +72,12 @@ def test_demo_serves_predictions_rolls_out_and_shows_the_dashboard(tmp_path):
         applications = requests.get(f"{dashboard}/api/serve/applications/", timeout=30).json()["applications"]
         assert applications["argus"]["status"] == "RUNNING"
         sample = next(synth.generate(1, seed=3, size=64))
-        answer = requests.post(f"http://127.0.0.1:{http_port}/predict", data=sample.value,
-                               headers={"Content-Type": "image/png"}, timeout=30)
+        answer = requests.post(
+            f"http://127.0.0.1:{http_port}/predict",
+            data=sample.value,
+            headers={"Content-Type": "image/png"},
+            timeout=30,
+        )
         assert answer.status_code == 200 and answer.json()["model_version"] == "2"
 
         process.send_signal(signal.SIGINT)
@@ -66,11 +92,15 @@ def test_demo_serves_predictions_rolls_out_and_shows_the_dashboard(tmp_path):
     match = re.search(r"→ 200 label='([a-z_]+)' model_version=(\d+)", output)
     assert match, output[-3000:]
     assert match.group(1) in synth.DEFAULT_CLASSES and match.group(2) == "1"
-    rollout = re.search(r"(\d+) requests during the rollout, (\d+) failed; versions served in order: (.+)", output)
+    rollout = re.search(
+        r"(\d+) requests during the rollout, (\d+) failed; versions served in order: (.+)", output
+    )
     assert rollout, output[-3000:]
     assert int(rollout.group(1)) > 0 and rollout.group(2) == "0" and rollout.group(3).strip() == "1 → 2"
     assert "stopping Serve, Ray and the broker" in output and "== done in" in output
     curves = re.findall(r"^curves: (.+\.png)$", output, re.M)
-    assert len(curves) == 2 and all(Path(c).stat().st_size > 0 for c in curves), curves  # train, then federate
+    assert len(curves) == 2 and all(Path(c).stat().st_size > 0 for c in curves), (
+        curves
+    )  # train, then federate
     with pytest.raises(requests.ConnectionError):  # everything it started, it stopped
         requests.get(f"{dashboard}/api/version", timeout=5)

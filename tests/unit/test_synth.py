@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.synth import DEFAULT_CLASSES, SyntheticRecord, generate, render
+from app.scenes import DEFAULT_CLASSES, render
+from app.synth import SyntheticRecord, generate
 
 NOW = 1_700_000_000_000
 
@@ -75,7 +76,7 @@ def test_fault_fractions_and_decoding():
     truncated = [r for r in corrupt if r.value.startswith(b"\x89PNG")]
     assert 0 < len(truncated) < len(corrupt)  # both truncated images and garbage
     for r in corrupt:
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017 (Pillow raises several types for corrupt bytes)
             _load(r.value)
     for r in records:
         if not r.corrupt:
@@ -85,12 +86,11 @@ def test_fault_fractions_and_decoding():
 
 @pytest.mark.parametrize("fmt", ["JPEG", "WEBP"])
 def test_other_formats(fmt):
-    records = list(generate(30, seed=2, size=32, image_format=fmt.lower(), corrupt_fraction=0.3,
-                            now_ms=NOW))
+    records = list(generate(30, seed=2, size=32, image_format=fmt.lower(), corrupt_fraction=0.3, now_ms=NOW))
     assert any(r.corrupt for r in records) and not all(r.corrupt for r in records)
     for r in records:
         if r.corrupt:
-            with pytest.raises(Exception):
+            with pytest.raises(Exception):  # noqa: B017 (Pillow raises several types for corrupt bytes)
                 _load(r.value)
         else:
             im = _load(r.value)
@@ -130,8 +130,15 @@ def test_custom_classes():
 
 
 def test_bad_arguments_fail_at_the_call():
-    for kw in (dict(image_format="gif"), dict(size=8), dict(users=0), dict(classes=()),
-               dict(classes=("a", "a")), dict(late_fraction=1.5), dict(dirichlet_alpha=0)):
+    for kw in (
+        dict(image_format="gif"),
+        dict(size=8),
+        dict(users=0),
+        dict(classes=()),
+        dict(classes=("a", "a")),
+        dict(late_fraction=1.5),
+        dict(dirichlet_alpha=0),
+    ):
         with pytest.raises(ValueError):
             generate(10, **kw)
 
@@ -139,8 +146,9 @@ def test_bad_arguments_fail_at_the_call():
 def test_classes_are_distinguishable_at_32px():
     """Nearest centroid on 8×8 thumbnails: weak, so a wide margin over chance means real structure."""
     records = list(generate(800, seed=0, size=32, late_fraction=0, now_ms=NOW))
-    x = np.stack([np.asarray(_load(r.value).resize((8, 8), Image.BILINEAR), np.float32).ravel() / 255
-                  for r in records])
+    x = np.stack(
+        [np.asarray(_load(r.value).resize((8, 8), Image.BILINEAR), np.float32).ravel() / 255 for r in records]
+    )
     y = np.array([DEFAULT_CLASSES.index(r.label) for r in records])
     x_train, y_train, x_test, y_test = x[:600], y[:600], x[600:], y[600:]
     centroids = np.stack([x_train[y_train == k].mean(0) for k in range(len(DEFAULT_CLASSES))])

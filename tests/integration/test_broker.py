@@ -1,4 +1,5 @@
 """The embedded broker: starts on 127.0.0.1, is found by other commands, stops cleanly by signal."""
+
 import json
 import os
 import signal
@@ -8,6 +9,7 @@ import sys
 import time
 
 from app.broker import EmbeddedBroker, free_port, recorded_broker
+
 from conftest import ROOT, child_env
 
 
@@ -31,9 +33,14 @@ def test_embedded_broker_starts_and_stops_by_pid(tmp_path):
 
 def test_broker_command_records_itself_and_stops_on_sigterm(tmp_path):
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "app", "broker", "--port", str(port), "--storage", str(tmp_path)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                               env=child_env(PYTHONPATH=str(ROOT)))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "app", "broker", "--port", str(port), "--storage", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=child_env(PYTHONPATH=str(ROOT)),
+    )
     try:
         deadline = time.monotonic() + 60
         while recorded_broker(tmp_path) is None:
@@ -45,8 +52,10 @@ def test_broker_command_records_itself_and_stops_on_sigterm(tmp_path):
         assert process.wait(30) == 0
         assert not (tmp_path / "broker.json").exists()
         assert not _accepts(port)
-        assert not os.path.exists(f"/proc/{state['pid']}") or \
-            open(f"/proc/{state['pid']}/stat").read().split()[2] == "Z"
+        assert (
+            not os.path.exists(f"/proc/{state['pid']}")
+            or open(f"/proc/{state['pid']}/stat").read().split()[2] == "Z"
+        )
     finally:
         if process.poll() is None:
             process.kill()

@@ -1,0 +1,239 @@
+"""Federated learning: users' devices train locally and only model updates travel (issue #5).
+
+    python -m app federate --model cnn --image-size 64 --rounds 5 --clients 10 --clients-per-round 5
+
+`federate` deals the snapshots' users into clients, runs Flower rounds (`server_app`) on our Ray
+actors (`grid`, running `client_app` over `task`), checkpoints every round (`checkpoint`), and
+logs and registers the result. Design and reasons: docs/federated.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+
+import torch
+from flwr.app import Context, RecordDict
+from torch import nn
+
+from app import model as core
+from app import registry
+from app.cluster import ray_session
+from app.config import ConfigError, Settings
+from app.fl.checkpoint import load_checkpoint
+from app.fl.config import MEAN_STRATEGIES, FederateConfig, FederateReport
+from app.fl.grid import RayGrid, pool_size, stamp_task_identity
+from app.fl.server_app import Federation, GaussianAccountant, build_server_app, build_strategy
+from app.fl.task import model_arrays
+from app.snapshot import Manifest, discover_classes, read_rows, select_snapshots, snapshot_uri
+
+__all__ = ["FederateConfig", "FederateReport", "federate"]
+
+log = logging.getLogger(__name__)
+
+
+def _initial_model(
+    settings: Settings, cfg: FederateConfig, classes: list[str]
+) -> tuple[nn.Module, str | None]:
+    torch.manual_seed(cfg.seed)
+    if cfg.init_from is None:
+        return core.build_model(settings.model, len(classes)), None
+    version = registry.resolve(settings.tracking_uri, settings.model_name, cfg.init_from)
+    if version is None:
+        raise ConfigError(
+            f"--init-from {cfg.init_from}: {settings.model_name}@{cfg.init_from} points at no version"
+        )
+    loaded = registry.load(settings.tracking_uri, settings.model_name, version)
+    card = loaded.card
+    wanted = {
+        "arch": settings.model,
+        "classes": classes,
+        "image_size": settings.image_size,
+        "features": False,
+    }
+    have = {
+        "arch": card.arch,
+        "classes": card.classes,
+        "image_size": card.image_size,
+        "features": card.features,
+    }
+    differ = [f"{k} {have[k]!r} (this run: {wanted[k]!r})" for k in wanted if have[k] != wanted[k]]
+    if differ:
+        raise ConfigError(
+            f"--init-from {cfg.init_from}: {settings.model_name} v{version} "
+            "does not fit this run: " + "; ".join(differ)
+        )
+    return loaded.model.train(), version
+
+
+def federate(settings: Settings, cfg: FederateConfig) -> FederateReport:
+    """`python -m app federate`: rounds of Flower FL on Ray actors → checkpoints → a registered version."""
+    try:
+        manifests = select_snapshots(settings, cfg.snapshots)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    classes = discover_classes(manifests, settings.classes)
+    if len(classes) < 2:
+        raise ConfigError(f"federated training needs at least two classes; the snapshots have {classes}")
+    snapshot_ids = [m.snapshot_id for m in manifests]
+    uris = [snapshot_uri(settings, s) for s in snapshot_ids]
+    users = len(set(read_rows(uris, ["key"]).column("key").drop_null().to_pylist()))
+    if cfg.clients > users:
+        raise ConfigError(
+            f"--clients {cfg.clients} but the snapshots hold {users} users; a client is at least one user"
+        )
+
+    run_name = cfg.run_name or time.strftime("federate-%Y%m%d-%H%M%S")
+    checkpoint_uri = settings.uri("checkpoints", "federated", run_name)
+    fingerprint = {
+        "arch": settings.model,
+        "classes": classes,
+        "image_size": settings.image_size,
+        "clients": cfg.clients,
+        "snapshots": snapshot_ids,
+        "seed": cfg.seed,
+        "strategy": cfg.strategy,
+        "dp_noise": cfg.dp_noise,
+        "dp_clip": cfg.dp_clip,
+    }
+    checkpoint = load_checkpoint(checkpoint_uri)
+    if checkpoint is None:
+        model, init_version = _initial_model(settings, cfg, classes)
+        start_round, history, noise_multipliers = 0, [], []
+    else:
+        state, meta = checkpoint
+        if meta["fingerprint"] != fingerprint:
+            changed = sorted(k for k in fingerprint if meta["fingerprint"].get(k) != fingerprint[k])
+            raise ConfigError(
+                f"run {run_name!r} was started with different {', '.join(changed)}; "
+                "pass a new --run-name to start over"
+            )
+        model = core.build_model(settings.model, len(classes))
+        model.load_state_dict(state)
+        start_round, history, noise_multipliers = meta["round"], meta["history"], meta["noise_multipliers"]
+        init_version = meta.get("init_version")
+        log.info("resuming federated run %s after round %d", run_name, start_round)
+    accounted = cfg.dp and cfg.dp_noise > 0 and cfg.strategy in MEAN_STRATEGIES
+    if cfg.dp and cfg.dp_noise > 0 and not accounted:
+        log.warning(
+            "--strategy %s with DP noise: epsilon is not reported (no mean, no accountant)", cfg.strategy
+        )
+    fed = Federation(
+        cfg=cfg,
+        model=model,
+        arrays=model_arrays(model),
+        classes=classes,
+        snapshot_uris=uris,
+        checkpoint_uri=checkpoint_uri,
+        fingerprint=fingerprint,
+        run_name=run_name,
+        init_version=init_version,
+        start_round=start_round,
+        history=history,
+        accountant=GaussianAccountant(cfg.dp_delta, noise_multipliers) if accounted else None,
+    )
+
+    if fed.start_round < cfg.rounds:
+        with ray_session(settings), _quiet_flower():
+            stamp_task_identity()  # the strategies create their messages as a running ServerApp would
+            grid = RayGrid(
+                cfg.clients,
+                num_actors=pool_size(cfg),
+                num_cpus=cfg.num_cpus_per_client,
+                num_gpus=cfg.num_gpus_per_client,
+            )
+            try:
+                build_server_app(fed, build_strategy(cfg))(
+                    grid=grid,
+                    context=Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+                )
+            finally:
+                grid.close()
+        wire, num_actors = dict(grid.wire), grid.num_actors
+    else:
+        log.info("run %s already finished %d rounds; registering its model", run_name, fed.start_round)
+        wire, num_actors = {}, 0
+    return _finish(settings, cfg, fed, run_name, manifests, wire, num_actors)
+
+
+@contextlib.contextmanager
+def _quiet_flower():
+    """Flower logs every sampling and aggregation at INFO; keep its warnings, drop the chatter."""
+    flower = logging.getLogger("flwr")
+    level = flower.level
+    if not log.isEnabledFor(logging.DEBUG):
+        flower.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        flower.setLevel(level)
+
+
+def _finish(
+    settings: Settings,
+    cfg: FederateConfig,
+    fed: Federation,
+    run_name: str,
+    manifests: list[Manifest],
+    wire: dict,
+    num_actors: int,
+) -> FederateReport:
+    """MLflow run (params, per-round metrics, curves) and a registered version, training kind `federated`."""
+    history = fed.history
+    last = history[-1]
+    epsilon = fed.accountant.get_privacy_spent().epsilon if fed.accountant else None
+    metrics = {k: last[k] for k in ("val_accuracy", "val_loss", "train_loss") if k in last}
+    metrics.update(
+        {
+            "rounds": len(history),
+            "clients": cfg.clients,
+            "bytes_up_total": sum(row["bytes_up"] for row in history),
+        }
+    )
+    if epsilon is not None:
+        metrics["epsilon"] = epsilon
+    params = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("snapshots", "inject_faults")}
+    run_id = registry.log_run(
+        settings,
+        run_name=run_name,
+        history=history,
+        step="round",
+        title=f"{run_name} ({settings.model}, {cfg.strategy})",
+        params={
+            **params,
+            "model": settings.model,
+            "image_size": settings.image_size,
+            "classes": ",".join(fed.classes),
+            "snapshots": ",".join(m.snapshot_id for m in manifests),
+            "init_version": fed.init_version,
+            "resumed_from": fed.start_round,
+        },
+        tags={"training_kind": "federated", "fl.checkpoints": fed.checkpoint_uri},
+    )
+    card = registry.ModelCard(
+        arch=settings.model,
+        classes=fed.classes,
+        image_size=settings.image_size,
+        features=False,
+        training_kind="federated",
+        snapshots=[m.lineage() for m in manifests],
+        metrics=metrics,
+    )
+    version = registry.register(settings.tracking_uri, settings.model_name, run_id, fed.model.eval(), card)
+    return FederateReport(
+        version=version,
+        run_id=run_id,
+        run_name=run_name,
+        metrics=metrics,
+        history=history,
+        rounds_run=cfg.rounds - fed.start_round if fed.start_round < cfg.rounds else 0,
+        resumed_from=fed.start_round,
+        classes=fed.classes,
+        epsilon=epsilon,
+        wire=wire,
+        checkpoint_dir=fed.checkpoint_uri,
+        init_version=fed.init_version,
+        num_actors=num_actors,
+    )

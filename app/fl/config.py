@@ -1,0 +1,170 @@
+"""What a federated run is asked for (`FederateConfig`, validated on creation) and what it gives
+back (`FederateReport`)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from app.config import ConfigError
+from app.fl.task import UPDATE_DTYPES
+
+STRATEGIES = ("fedavg", "fedprox", "fedmedian", "fedtrimmedavg", "krum")
+MEAN_STRATEGIES = ("fedavg", "fedprox")
+FAULTS = ("nan", "scale", "crash", "slow")
+
+
+@dataclass(kw_only=True)
+class FederateConfig:
+    rounds: int = 5
+    """Federated rounds in total; a resumed run continues up to this many."""
+    clients: int = 10
+    """Simulated clients; the snapshots' users are dealt into this many groups."""
+    clients_per_round: int = 5
+    """Clients sampled for training each round."""
+    local_epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.05
+    """Client SGD learning rate (momentum 0.9, fresh optimiser every round)."""
+    strategy: str = "fedavg"
+    """fedavg (example-weighted), fedprox, fedmedian, fedtrimmedavg or krum."""
+    mu: float = 0.01
+    """FedProx proximal weight: the client adds mu/2·||w − w_global||² to its loss."""
+    trimmed_beta: float = 0.2
+    """FedTrimmedAvg: share cut from each tail."""
+    krum_malicious: int = 0
+    """Krum: number of malicious clients assumed."""
+    dp_noise: float = 0.0
+    """Gaussian noise multiplier z on the aggregate (needs --dp-clip); 0 clips without noise."""
+    dp_clip: float | None = None
+    """Clip each client's update to this L2 norm; None turns differential privacy off."""
+    dp_delta: float = 1e-5
+    """Delta at which epsilon is reported."""
+    update_dtype: str = "fp16"
+    """Precision of the updates clients send (fp16 or fp32); aggregation is always fp32."""
+    min_clients: int | None = None
+    """Fewest valid updates that make a round; None means half the clients per round (at least 1)."""
+    round_timeout_s: float = 600.0
+    """A client that has not answered this long after a round's start is dropped."""
+    outlier_factor: float = 10.0
+    """Reject updates whose norm exceeds this multiple of the round's median norm."""
+    init_from: str | None = None
+    """Registry alias (e.g. `champion`) whose model the run starts from; None starts fresh."""
+    seed: int = 0
+    snapshots: tuple[str, ...] | None = None
+    """Snapshot ids; None means all of the topic's."""
+    val_fraction: float = 0.2
+    """Each client's newest share of records by event time, held out for evaluation."""
+    evaluate_clients: int | None = None
+    """Clients sampled for evaluation each round; None means all of them."""
+    augment: bool = True
+    num_cpus_per_client: float = 0.5
+    """Logical CPUs per client actor (fractions pack several on a core)."""
+    num_gpus_per_client: float = 0.0
+    max_actors: int | None = None
+    """Cap on the client actor pool; None means as many as free resources fit (≤ clients per round)."""
+    run_name: str | None = None
+    """Rerunning with the same name resumes from its last complete round."""
+    inject_faults: tuple[str, ...] = ()
+    """Fault injection for tests, `CLIENT:KIND` with KIND in nan, scale, crash, slow."""
+
+    def __post_init__(self) -> None:
+        def require(ok: bool, message: str) -> None:
+            if not ok:
+                raise ConfigError(message)
+
+        require(self.rounds >= 1, f"--rounds must be >= 1, got {self.rounds}")
+        require(self.clients >= 1, f"--clients must be >= 1, got {self.clients}")
+        require(
+            1 <= self.clients_per_round <= self.clients,
+            f"--clients-per-round must be in 1..{self.clients}, got {self.clients_per_round}",
+        )
+        if self.min_clients is None:
+            self.min_clients = max(1, math.ceil(self.clients_per_round / 2))
+        require(
+            1 <= self.min_clients <= self.clients_per_round,
+            f"--min-clients must be in 1..{self.clients_per_round}, got {self.min_clients}",
+        )
+        require(self.local_epochs >= 1, f"--local-epochs must be >= 1, got {self.local_epochs}")
+        require(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
+        require(self.lr > 0, "--lr must be > 0")
+        require(
+            self.strategy in STRATEGIES,
+            f"--strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}",
+        )
+        require(self.mu >= 0, "--mu must be >= 0")
+        require(self.strategy != "fedprox" or self.mu > 0, "--strategy fedprox needs --mu > 0")
+        require(0 <= self.trimmed_beta < 0.5, "--trimmed-beta must be in [0, 0.5)")
+        require(self.krum_malicious >= 0, "--krum-malicious must be >= 0")
+        require(self.dp_noise >= 0, "--dp-noise must be >= 0")
+        require(self.dp_clip is None or self.dp_clip > 0, "--dp-clip must be > 0")
+        require(
+            self.dp_noise == 0 or self.dp_clip is not None, "--dp-noise needs --dp-clip (the sensitivity)"
+        )
+        require(0 < self.dp_delta < 1, "--dp-delta must be in (0, 1)")
+        require(
+            self.update_dtype in UPDATE_DTYPES,
+            f"--update-dtype must be fp16 or fp32, got {self.update_dtype!r}",
+        )
+        require(self.round_timeout_s > 0, "--round-timeout-s must be > 0")
+        require(self.outlier_factor > 1, "--outlier-factor must be > 1")
+        require(
+            self.init_from is None or bool(self.init_from.strip()),
+            "--init-from needs an alias, e.g. champion",
+        )
+        require(0 < self.val_fraction < 1, "--val-fraction must be in (0, 1)")
+        require(
+            self.evaluate_clients is None or 1 <= self.evaluate_clients <= self.clients,
+            f"--evaluate-clients must be in 1..{self.clients}",
+        )
+        require(self.num_cpus_per_client > 0, "--num-cpus-per-client must be > 0")
+        require(self.num_gpus_per_client >= 0, "--num-gpus-per-client must be >= 0")
+        require(self.max_actors is None or self.max_actors >= 1, "--max-actors must be >= 1")
+        require(
+            self.run_name is None or bool(re.fullmatch(r"[A-Za-z0-9._-]+", self.run_name)),
+            "--run-name may hold only letters, digits, '.', '_' and '-'",
+        )
+        for spec in self.inject_faults:
+            client, _, kind = spec.partition(":")
+            require(
+                client.isdigit() and int(client) < self.clients and kind in FAULTS,
+                f"fault {spec!r}: expected CLIENT:KIND with CLIENT < {self.clients} "
+                f"and KIND in {', '.join(FAULTS)}",
+            )
+
+    @property
+    def dp(self) -> bool:
+        return self.dp_clip is not None
+
+
+@dataclass
+class FederateReport:
+    version: str
+    run_id: str
+    run_name: str
+    metrics: dict
+    """The final round's federated evaluation and totals."""
+    history: list[dict]
+    """One row per round: losses, accuracies, clients ok/failed/timed out/rejected, bytes, epsilon."""
+    rounds_run: int
+    """Rounds this call ran (fewer than `rounds` when it resumed)."""
+    resumed_from: int
+    classes: list[str]
+    epsilon: float | None
+    wire: dict[str, int]
+    """Reply schemas (JSON: message type, array keys → dtype and shape, metric keys) → count."""
+    checkpoint_dir: str
+    init_version: str | None
+    num_actors: int
+
+    def __str__(self) -> str:
+        last = self.history[-1]
+        privacy = f", epsilon {self.epsilon:.2f}" if self.epsilon is not None else ""
+        resumed = f" (resumed after round {self.resumed_from})" if self.resumed_from else ""
+        accuracy = self.metrics.get("val_accuracy", float("nan"))
+        return (
+            f"registered v{self.version} (run {self.run_id}, federated {self.run_name}): "
+            f"val_accuracy {accuracy:.3f} after {len(self.history)} rounds"
+            f"{resumed}; {last['bytes_up'] / 1e6:.2f} MB up in the last round{privacy}"
+        )

@@ -1,0 +1,162 @@
+"""The client's side in plain PyTorch: its users' rows, local training and evaluation, and the
+arrays that travel (no Ray, no Flower messages; `ArrayRecord` is only the container)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+from flwr.app import ArrayRecord
+from torch import nn
+
+from app import model as core
+from app.snapshot import read_rows
+from app.transform import augment as augment_images
+from app.transform import encode_labels
+
+UPDATE_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+CPU = torch.device("cpu")
+
+
+def partition_users(users: Iterable[str], num_partitions: int, seed: int) -> list[list[str]]:
+    """Distinct users shuffled by `seed` and dealt round-robin: each client holds whole users."""
+    ordered = sorted(set(users))
+    random.Random(seed).shuffle(ordered)
+    return [ordered[i::num_partitions] for i in range(num_partitions)]
+
+
+@lru_cache(maxsize=4)
+def _user_partitions(snapshot_uris: tuple[str, ...], num_partitions: int, seed: int) -> list[list[str]]:
+    # Every client of an actor deals the same users: read the keys once per snapshot set.
+    keys = read_rows(snapshot_uris, ["key"]).column("key").to_pylist()
+    return partition_users((k for k in keys if k is not None), num_partitions, seed)
+
+
+@dataclass
+class ClientData:
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    val_x: torch.Tensor
+    val_y: torch.Tensor
+
+
+def load_client_data(
+    snapshot_uris: tuple[str, ...],
+    partition_id: int,
+    num_partitions: int,
+    seed: int,
+    classes: tuple[str, ...],
+    val_fraction: float,
+) -> ClientData:
+    """This client's users' labelled rows; the newest `val_fraction` by event time validates."""
+    users = _user_partitions(snapshot_uris, num_partitions, seed)[partition_id]
+    table = read_rows(
+        snapshot_uris,
+        ["image", "label", "event_time", "partition", "offset"],
+        pc.field("key").isin(users) & pc.field("label").isin(list(classes)),
+    )
+    if table.num_rows == 0:
+        raise ValueError(f"client {partition_id} ({len(users)} users) has no labelled records")
+    table = table.sort_by([("event_time", "ascending"), ("partition", "ascending"), ("offset", "ascending")])
+    pixels = table.column("image").combine_chunks().to_numpy_ndarray()
+    images = torch.from_numpy(pixels.astype(np.float32, copy=False))
+    labels = torch.from_numpy(encode_labels(table.column("label").to_pylist(), classes))
+    cut = table.num_rows - int(table.num_rows * val_fraction)
+    return ClientData(images[:cut], labels[:cut], images[cut:], labels[cut:])
+
+
+class ProximalLoss(nn.Module):
+    """FedProx's client objective: the task loss plus mu/2·||w − w_global||² over trainable weights."""
+
+    def __init__(self, base: nn.Module, model: nn.Module, mu: float):
+        super().__init__()
+        self.base, self.mu = base, mu
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._anchor = [p.detach().clone() for p in self._params]
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        proximal = sum((p - a).pow(2).sum() for p, a in zip(self._params, self._anchor, strict=True))
+        return self.base(logits, targets) + 0.5 * self.mu * proximal
+
+
+def batches(
+    x: torch.Tensor, y: torch.Tensor, batch_size: int, generator: torch.Generator | None, augment: bool
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Shuffled (when given a generator) and optionally augmented batches of (x, y)."""
+    order = torch.randperm(len(y), generator=generator) if generator is not None else torch.arange(len(y))
+    for start in range(0, len(y), batch_size):
+        index = order[start : start + batch_size]
+        inputs = x[index]
+        if augment:
+            inputs = augment_images(inputs, generator)
+        yield inputs, y[index]
+
+
+def local_train(
+    model: nn.Module,
+    data: ClientData,
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    mu: float,
+    seed: int,
+    augment: bool,
+    batches_hook=None,
+    device: torch.device = CPU,
+) -> dict:
+    """`epochs` passes of SGD over the client's training rows, through the shared `train_epoch`."""
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    loss_fn = nn.CrossEntropyLoss()
+    if mu > 0:
+        loss_fn = ProximalLoss(loss_fn, model, mu)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9)
+    stats = {}
+    for _ in range(epochs):
+        epoch = batches(data.train_x, data.train_y, batch_size, generator, augment)
+        stats = core.train_epoch(
+            model, batches_hook(epoch) if batches_hook else epoch, optimizer, loss_fn, device=device
+        )
+    return stats
+
+
+def local_evaluate(
+    model: nn.Module, data: ClientData, num_classes: int, batch_size: int = 256, device: torch.device = CPU
+) -> dict:
+    return core.evaluate(
+        model, batches(data.val_x, data.val_y, batch_size, None, False), num_classes, device=device
+    )
+
+
+def exchanged_keys(model: nn.Module) -> list[str]:
+    """The state entries that travel: parameters and BatchNorm statistics (not step counters)."""
+    return [k for k, v in model.state_dict().items() if v.is_floating_point()]
+
+
+def model_arrays(model: nn.Module) -> ArrayRecord:
+    state = model.state_dict()
+    return ArrayRecord({k: state[k].detach().float() for k in exchanged_keys(model)})
+
+
+def load_arrays(model: nn.Module, arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+    """Load the global arrays into `model`; returns them as fp32 tensors (the update's origin)."""
+    state = {k: torch.from_numpy(np.array(a.numpy(), dtype=np.float32)) for k, a in arrays.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("num_batches_tracked")]
+    if missing or unexpected:
+        raise ValueError(
+            f"global arrays do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    return state
+
+
+def encode_update(model: nn.Module, origin: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """local − global per exchanged array, in the wire precision `dtype` (fp16 or fp32)."""
+    state = model.state_dict()
+    return {k: (state[k].detach().float().cpu() - g).to(UPDATE_DTYPES[dtype]) for k, g in origin.items()}

@@ -1,0 +1,371 @@
+"""Ingest: Kafka → Ray Data preprocessing → a snapshot (CONTRACT.md §2), exactly once.
+
+    python -m app ingest                        # Kafka → Ray Data → <storage>/snapshots/<id>/
+
+Ingest reads every partition from where the last durable snapshot ended to its true end (the
+embedded broker under-reports high watermarks, so the end is probed, never trusted), preprocesses
+in an actor pool with the one transform training and serving share, writes Parquet plus a
+manifest under a temporary name, renames it into place, and only then commits the offsets. The
+manifests are the offset ledger, so a run killed anywhere and rerun yields each record once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import ray
+import ray.data
+from ray.data import DataContext, Datasink
+from ray.data.block import BlockAccessor, BlockMetadata
+from ray.data.datasource import Datasource, ReadTask
+
+from app import kafka, metrics
+from app import snapshot as store
+from app.config import IngestConfig, Settings
+from app.preprocess import preprocess_batches
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "ARGUS_FAULT"
+"""Fault injection for tests: `after_write` or `before_commit` kills ingest at that point."""
+
+IO_TASK_CPUS = 0.25
+"""Logical CPUs of a Kafka read task and of a snapshot write task (see PREPROCESS_ACTOR_CPUS)."""
+
+
+# ---------------------------------------------------------------- reading
+
+
+class KafkaRangeDatasource(Datasource):
+    """A Ray Data datasource over exact per-partition offset ranges, split into read tasks.
+
+    `ray.data.read_kafka` takes one start offset for all partitions and clamps its end to the
+    reported high watermark; resuming from a ledger and reading to the proven end needs ranges.
+    """
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        topic: str,
+        ranges: dict[int, tuple[int, int]],
+        records_per_block: int,
+        watermarks: dict[int, int],
+        allowed_lateness_ms: int,
+        max_offsets_per_task: int = 20_000,
+    ):
+        self.bootstrap_servers, self.topic = bootstrap_servers, topic
+        self.ranges = ranges
+        self.records_per_block = records_per_block
+        self.watermarks = watermarks
+        self.allowed_lateness_ms = allowed_lateness_ms
+        self.max_offsets_per_task = max_offsets_per_task
+
+    def estimate_inmemory_data_size(self):
+        return None
+
+    def get_name(self):
+        return "KafkaRange"
+
+    def read_task_count(self) -> int:
+        """Pass it as `override_num_blocks`: Ray Data otherwise aims at ~200 blocks and splits every
+        task's output into slivers, paying per-object overhead on each."""
+        return sum(-(-(end - start) // self.max_offsets_per_task) for start, end in self.ranges.values())
+
+    def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
+        tasks = []
+        for partition, (start, end) in sorted(self.ranges.items()):
+            for lo in range(start, end, self.max_offsets_per_task):
+                hi = min(end, lo + self.max_offsets_per_task)
+                # Each chunk after the first seeds its watermark from the previous snapshot only;
+                # tasks run in parallel, so cross-chunk order is not observable.
+                args = (
+                    self.bootstrap_servers,
+                    self.topic,
+                    partition,
+                    lo,
+                    hi,
+                    self.records_per_block,
+                    self.watermarks.get(partition, 0),
+                    self.allowed_lateness_ms,
+                )
+                metadata = BlockMetadata(
+                    num_rows=hi - lo,
+                    size_bytes=None,
+                    exec_stats=None,
+                    input_files=[f"kafka://{self.topic}/{partition}/{lo}-{hi}"],
+                )
+                tasks.append(
+                    ReadTask(
+                        lambda a=args: kafka.read_partition_range(*a),
+                        metadata,
+                        schema=kafka.RAW_SCHEMA,
+                        per_task_row_limit=per_task_row_limit,
+                    )
+                )
+        return tasks
+
+
+def io_concurrency() -> int:
+    """At most one read and one write task per cluster CPU: more consumers than cores only contend
+    (with the broker too, where it shares the machine), and each task is a worker process in memory."""
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def read_ranges(source: KafkaRangeDatasource) -> ray.data.Dataset:
+    """The Ray Data read of a KafkaRangeDatasource, as ingest runs it (inside `streaming_blocks`)."""
+    return ray.data.read_datasource(
+        source,
+        ray_remote_args={"num_cpus": IO_TASK_CPUS},
+        concurrency=io_concurrency(),
+        override_num_blocks=source.read_task_count(),
+    )
+
+
+@contextlib.contextmanager
+def streaming_blocks(max_block_bytes: int = kafka.MAX_BLOCK_BYTES) -> Iterator[None]:
+    """Datasets created inside use blocks of at most `max_block_bytes`.
+
+    Ray Data merges what a read task yields into blocks of up to 128 MiB before passing any on, so
+    a Kafka read task would hold its whole range (and a 128 MiB block per task in memory) before
+    its first record reached the preprocessing actors. A Dataset keeps the context it was created in.
+    """
+    context = DataContext.get_current()
+    previous = context.target_max_block_size
+    context.target_max_block_size = max_block_bytes
+    try:
+        yield
+    finally:
+        context.target_max_block_size = previous
+
+
+# ---------------------------------------------------------------- writing
+
+
+class SnapshotSink(Datasink):
+    """Ray Data sink: good rows → Parquet under the snapshot's staging dir, by event date; dead
+    letters → `<topic>.dlq` with an `error` header and their source coordinates."""
+
+    def __init__(self, staging_uri: str, bootstrap_servers: str, topic: str, dlq_topic: str):
+        self.staging_uri, self.bootstrap_servers = staging_uri, bootstrap_servers
+        self.topic, self.dlq_topic = topic, dlq_topic
+        self.stats = store.WriteStats()
+
+    def get_name(self):
+        return "Snapshot"
+
+    def write(self, blocks, ctx) -> store.WriteStats:
+        return write_snapshot_blocks(
+            blocks,
+            self.staging_uri,
+            self.bootstrap_servers,
+            self.topic,
+            self.dlq_topic,
+            f"{ctx.task_idx:05d}",
+        )
+
+    def on_write_complete(self, write_result):
+        # Runs on the driver's instance: the per-task accounting becomes the manifest.
+        for task_stats in write_result.write_returns:
+            self.stats.merge(task_stats)
+
+
+def _dead_letter_headers(row: dict, topic: str) -> list[tuple[str, bytes]]:
+    headers = kafka.record_headers(row["label"], row["event_time"], row["device_id"])
+    return headers + [
+        ("error", row["error"].encode()),
+        ("source_topic", topic.encode()),
+        ("source_partition", str(row["partition"]).encode()),
+        ("source_offset", str(row["offset"]).encode()),
+    ]
+
+
+def write_snapshot_blocks(
+    blocks, staging_uri: str, bootstrap_servers: str, topic: str, dlq_topic: str, task_name: str
+) -> store.WriteStats:
+    """One write task: Parquet files and dead letters, and the accounting the manifest is built from."""
+    fs, root = store.filesystem(staging_uri)
+    stats = store.WriteStats()
+    producer = None
+    failures: list[BaseException] = []
+    part = 0
+    try:
+        for block in blocks:
+            table = BlockAccessor.for_block(block).to_arrow()
+            stats.value_bytes += pc.sum(table.column("value_size")).as_py() or 0
+            errors = table.column("error").to_pylist()
+            for p, offset, error in zip(
+                table.column("partition").to_pylist(), table.column("offset").to_pylist(), errors
+            ):
+                stats.partition(p).add(offset, dead_letter=bool(error))
+            bad = [i for i, e in enumerate(errors) if e]
+            if bad:
+                producer = producer or kafka.make_producer(bootstrap_servers)
+                rows = (
+                    table.take(bad)
+                    .select(
+                        ["partition", "offset", "key", "value", "label", "event_time", "device_id", "error"]
+                    )
+                    .to_pylist()
+                )
+                for row in rows:
+                    future = producer.send(
+                        dlq_topic,
+                        key=(row["key"] or "").encode(),
+                        value=row["value"],
+                        headers=_dead_letter_headers(row, topic),
+                    )
+                    future.add_errback(failures.append)
+                    stats.dlq_errors[row["error"].split(":")[0]] += 1
+            good = table.filter(pc.is_null(table.column("error")))
+            if good.num_rows == 0:
+                continue
+            good = good.drop_columns(["error", "value", "value_size"])
+            event_times = good.column("event_time").to_pylist()
+            dates = [store.event_date(t) for t in event_times]
+            stats.labels.update(label for label in good.column("label").to_pylist() if label is not None)
+            stats.late += sum(good.column("late").to_pylist())
+            stats.add_event_times(min(event_times), max(event_times))
+            good = good.append_column("event_date", pa.array(dates, pa.string()))
+            for date in sorted(set(dates)):
+                subset = good.filter(pc.equal(good.column("event_date"), date)).drop_columns(["event_date"])
+                path = f"{root}/event_date={date}/part-{task_name}-{part:04d}.parquet"
+                fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+                pq.write_table(subset, path, filesystem=fs)
+                stats.files.append(path[len(root) + 1 :])
+                part += 1
+        if producer is not None:
+            producer.flush()
+    finally:
+        if producer is not None:
+            producer.close()
+    if failures:  # an unacknowledged dead letter would be a lost record: fail before anything commits
+        raise RuntimeError(
+            f"{len(failures)} dead letters were not acknowledged by {dlq_topic}: {failures[0]}"
+        )
+    return stats
+
+
+# ---------------------------------------------------------------- the driver
+
+
+@dataclass
+class IngestReport:
+    snapshot_id: str | None
+    records: int
+    dlq: int
+    offsets: dict[int, tuple[int, int]]
+    seconds: float
+    value_bytes: int
+
+    def __str__(self) -> str:
+        if self.snapshot_id is None:
+            return "nothing new to ingest: every partition is at its end; no snapshot written"
+        ranges = ", ".join(f"p{p}:[{s},{e})" for p, (s, e) in sorted(self.offsets.items()))
+        total = self.records + self.dlq
+        return (
+            f"snapshot {self.snapshot_id}: {self.records} records, {self.dlq} to the DLQ, "
+            f"{total / max(self.seconds, 1e-9):.0f} records/s, "
+            f"{self.value_bytes / max(self.seconds, 1e-9) / 1e6:.2f} MB/s in {self.seconds:.1f}s; "
+            f"offsets {ranges}"
+        )
+
+
+def _fault(point: str) -> None:
+    if os.environ.get(FAULT_ENV) == point:
+        log.error("fault injection: exiting at %s", point)
+        os._exit(137)
+
+
+def pending_ranges(
+    settings: Settings, bootstrap_servers: str
+) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
+    """Per partition, the offsets [ledger end, proven topic end) not yet in a snapshot (only the
+    non-empty ones), and the ledger's event-time watermarks."""
+    previous, watermarks = store.ledger_offsets(store.list_manifests(settings), settings.topic)
+    partitions = kafka.partitions_of(bootstrap_servers, settings.topic)
+    starts = {p: previous.get(p, 0) for p in partitions}
+    ends = kafka.probe_end_offsets(bootstrap_servers, settings.topic, partitions)
+    behind = {p: (starts[p], ends[p]) for p in partitions if ends[p] < starts[p]}
+    if behind:
+        raise RuntimeError(
+            f"the snapshots under {settings.uri('snapshots')} end past the topic's end "
+            f"(partition: (ledger start, topic end) {behind}): they belong to another broker "
+            "or an older incarnation of the topic; use a fresh --storage"
+        )
+    return {p: (starts[p], ends[p]) for p in partitions if ends[p] > starts[p]}, watermarks
+
+
+def ingest(settings: Settings, cfg: IngestConfig, bootstrap_servers: str) -> IngestReport:
+    """`python -m app ingest`: one bounded, exactly-once read of the topic into a new snapshot."""
+    started = time.perf_counter()
+    kafka.ensure_topics(bootstrap_servers, [settings.topic, settings.dlq_topic], settings.partitions)
+    fs, snapshots_root = store.filesystem(settings.uri("snapshots"))
+    fs.create_dir(snapshots_root, recursive=True)
+    store.clean_staging(fs, snapshots_root)
+    ranges, watermarks = pending_ranges(settings, bootstrap_servers)
+    if not ranges:
+        return IngestReport(None, 0, 0, {}, time.perf_counter() - started, 0)
+
+    snapshot_id = store.new_snapshot_id()
+    staging = f"{store.STAGING_PREFIX}{snapshot_id}"
+    log.info("ingesting %s offsets %s into %s", settings.topic, ranges, snapshot_id)
+    source = KafkaRangeDatasource(
+        bootstrap_servers,
+        settings.topic,
+        ranges,
+        cfg.records_per_block,
+        watermarks,
+        int(cfg.allowed_lateness_s * 1000),
+    )
+    with streaming_blocks():
+        dataset = preprocess_batches(read_ranges(source), settings, cfg)
+    sink = SnapshotSink(
+        settings.uri("snapshots", staging), bootstrap_servers, settings.topic, settings.dlq_topic
+    )
+    dataset.write_datasink(sink, ray_remote_args={"num_cpus": IO_TASK_CPUS}, concurrency=io_concurrency())
+    manifest = store.build_manifest(
+        settings,
+        snapshot_id,
+        ranges,
+        watermarks,
+        sink.stats,
+        features=cfg.features,
+        features_weights=cfg.weights,
+        allowed_lateness_s=cfg.allowed_lateness_s,
+    )
+    _fault("after_write")
+    store.atomic_write(fs, f"{snapshots_root}/{staging}/{store.MANIFEST}", manifest.to_json().encode())
+    fs.move(f"{snapshots_root}/{staging}", f"{snapshots_root}/{snapshot_id}")
+    _fault("before_commit")
+    ends = {p: end for p, (_, end) in ranges.items()}
+    kafka.commit_offsets(bootstrap_servers, cfg.group, settings.topic, ends)
+    store.write_offsets_file(settings, cfg.group, ends)
+    report = IngestReport(
+        snapshot_id,
+        manifest.records,
+        manifest.dlq,
+        ranges,
+        time.perf_counter() - started,
+        manifest.value_bytes,
+    )
+    _export_metrics(settings.topic, report)
+    return report
+
+
+def _export_metrics(topic: str, report: IngestReport) -> None:
+    metrics.inc("argus_records_ingested", report.records, topic=topic)
+    metrics.inc("argus_dlq_records", report.dlq, topic=topic)
+    metrics.set_gauge(
+        "argus_ingest_records_per_second", (report.records + report.dlq) / report.seconds, topic=topic
+    )
+    metrics.set_gauge(
+        "argus_ingest_megabytes_per_second", report.value_bytes / report.seconds / 1e6, topic=topic
+    )

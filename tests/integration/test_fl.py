@@ -1,0 +1,186 @@
+"""Federated learning: Flower's strategies and our ClientApp on real Ray actors, on CPU, against
+snapshots and a registry that real ingest and training made."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import pytest
+import torch
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import GaussianPrivacyEvent
+
+from app import model as core
+from app.config import ConfigError
+from app.fl import FederateConfig, federate
+from app.fl.grid import RayGrid, stamp_task_identity
+from app.fl.server_app import GaussianAccountant
+
+stamp_task_identity()  # as a running ServerApp has
+
+
+def _schemas(report, message_type):
+    return [json.loads(s) for s in report.wire if json.loads(s)["type"] == message_type]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_rounds_learn_on_non_iid_users_register_and_resume(trained, ray_cluster):
+    import mlflow
+
+    from conftest import MetricsWatcher
+
+    settings, snapshot, _, _, _ = trained
+    cfg = FederateConfig(
+        rounds=2,
+        clients=4,
+        clients_per_round=4,
+        local_epochs=1,
+        batch_size=16,
+        lr=0.05,
+        augment=False,
+        seed=3,
+        num_cpus_per_client=1.0,
+        run_name="fl-learn",
+    )
+    with MetricsWatcher(ray_cluster, "ray_argus_fl_round_seconds", "ray_argus_fl_round_bytes") as watcher:
+        report = federate(settings, cfg)
+
+    assert [row["round"] for row in report.history] == [1, 2]
+    assert all(row["updates_accepted"] == 4 and row["clients_failed"] == 0 for row in report.history)
+
+    # What crossed from the client actors: the model's float arrays as fp16 deltas and three
+    # numbers per train reply; three numbers per evaluate reply. No pixels, no other arrays.
+    expected = {
+        k: ["float16", list(v.shape)]
+        for k, v in core.build_model("cnn", 6).state_dict().items()
+        if v.is_floating_point()
+    }
+    train, evaluate = _schemas(report, "train"), _schemas(report, "evaluate")
+    assert train and all(s["arrays"] == {"arrays": expected} and s["configs"] == {} for s in train)
+    scalars = {"num-examples": "int", "train_accuracy": "float", "train_loss": "float"}
+    assert all(s["metrics"] == {"metrics": scalars} for s in train)
+    assert evaluate and all(s["arrays"] == {} and s["configs"] == {} for s in evaluate)
+    scalars = {"num-examples": "int", "val_accuracy": "float", "val_loss": "float"}
+    assert all(s["metrics"] == {"metrics": scalars} for s in evaluate)
+    assert sum(report.wire.values()) == 2 * 4 + 2 * 4
+    fp16_bytes = sum(math.prod(shape) * 2 for _, shape in expected.values())
+    assert fp16_bytes <= report.history[0]["bytes_up"] / 4 < 1.1 * fp16_bytes
+
+    mlflow.set_tracking_uri(settings.tracking_uri)
+    client = mlflow.MlflowClient()
+    version = client.get_model_version(settings.model_name, report.version)
+    assert version.tags["training_kind"] == "federated"
+    assert version.tags["snapshot_ids"] == snapshot.snapshot_id
+    run = client.get_run(report.run_id)
+    assert run.data.params["rounds"] == "2" and run.data.params["clients"] == "4"
+    assert run.data.params["dp_clip"] == "None" and run.data.params["snapshots"] == snapshot.snapshot_id
+    assert {"curves.png", "history.json", "model"} <= {a.path for a in client.list_artifacts(report.run_id)}
+    assert len(client.get_metric_history(report.run_id, "val_accuracy")) == 2
+    assert all(any('run="fl-learn"' in line for line in lines) for lines in watcher.seen.values()), (
+        watcher.seen
+    )
+
+    again = federate(settings, dataclasses.replace(cfg, rounds=3))
+    assert (again.resumed_from, again.rounds_run) == (2, 1)
+    assert [row["round"] for row in again.history] == [1, 2, 3] and again.history[:2] == report.history
+    assert again.metrics["val_accuracy"] > 0.4, again.history  # chance is 1/6
+
+
+@pytest.mark.timeout(600)
+def test_nan_update_and_killed_client_leave_the_round_to_the_rest_with_dp(trained):
+    from app import registry
+
+    settings, _, _, _, _ = trained
+    cfg = FederateConfig(
+        rounds=1,
+        clients=4,
+        clients_per_round=4,
+        min_clients=2,
+        local_epochs=1,
+        batch_size=32,
+        augment=False,
+        init_from="champion",
+        dp_clip=5.0,
+        dp_noise=0.5,
+        num_cpus_per_client=1.0,
+        inject_faults=("0:nan", "1:crash"),
+        run_name="fl-faults",
+    )
+    report = federate(settings, cfg)
+
+    row = report.history[0]
+    counts = row["clients_sampled"], row["clients_failed"], row["updates_rejected"], row["updates_accepted"]
+    assert counts == (4, 1, 1, 2)
+    assert row["abandoned"] == 0
+    assert report.init_version == registry.resolve(settings.tracking_uri, settings.model_name, "champion")
+    accountant = GaussianAccountant(1e-5)
+    accountant.compose(GaussianPrivacyEvent(noise_multiplier=0.5 * 2 / 4, sample_size=2, population_size=4))
+    assert report.epsilon == pytest.approx(accountant.get_privacy_spent().epsilon)
+    model = registry.load(settings.tracking_uri, settings.model_name, report.version).model
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+    assert (
+        len(_schemas(report, "train")) == 1
+    )  # the NaN update crossed with the same schema, then was rejected
+
+
+def test_init_from_a_model_that_does_not_fit_is_a_clear_error(trained):
+    settings, _, _, _, _ = trained
+    with pytest.raises(ConfigError, match="arch 'cnn'"):
+        federate(
+            dataclasses.replace(settings, model="resnet18"),
+            FederateConfig(rounds=1, clients=2, clients_per_round=2, init_from="champion"),
+        )
+    with pytest.raises(ConfigError, match="users"):
+        federate(settings, FederateConfig(rounds=1, clients=5000, clients_per_round=2))
+
+
+# ---------------------------------------------------------------- the Grid over Ray actors
+
+echo_app = ClientApp()
+
+
+@echo_app.train()
+def _echo(message: Message, context) -> Message:
+    partition = int(context.node_config["partition-id"])
+    config = message.content["config"]
+    if partition in config.get("slow", []):
+        time.sleep(600)
+    if partition in config.get("crash", []):
+        os._exit(1)
+    return Message(RecordDict({"metrics": MetricRecord({"partition": partition})}), reply_to=message)
+
+
+def _echo_round(grid, config: dict, timeout: float | None = None) -> tuple[list[int], int]:
+    content = RecordDict({"config": ConfigRecord(config)})
+    replies = grid.send_and_receive(
+        [Message(content, node, "train") for node in grid.get_node_ids()], timeout=timeout
+    )
+    return sorted(int(r.content["metrics"]["partition"]) for r in replies if not r.has_error()), sum(
+        r.has_error() for r in replies
+    )
+
+
+@pytest.mark.timeout(600)
+def test_grid_drops_slow_and_dead_clients_and_heals_its_pool(ray_cluster):
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the echo ClientApp travels by value
+    grid = RayGrid(4, num_actors=4, num_cpus=0.25, app_ref=echo_app)
+    try:
+        assert _echo_round(grid, {"slow": [-1]}) == ([0, 1, 2, 3], 0)  # every actor started
+        started = time.monotonic()
+        assert _echo_round(grid, {"slow": [1], "crash": [2]}, timeout=15) == ([0, 3], 1)
+        assert time.monotonic() - started < 60
+        assert (grid.last.timed_out, grid.last.failed, grid.last.replied) == (1, 1, 2)
+        # Flower's own pool would now hold a dead actor; ours replaced both, so all four answer.
+        assert _echo_round(grid, {"slow": [-1]}) == ([0, 1, 2, 3], 0)
+        assert grid.num_actors == 4 and len(grid._idle) == 4
+    finally:
+        grid.close()

@@ -1,0 +1,174 @@
+"""The storage contract (app.snapshot) on local disk: manifests, the proof that every offset landed
+once, the ledger, and snapshot selection. No broker, no Ray."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.config import Settings
+from app.snapshot import (
+    MANIFEST,
+    Manifest,
+    WriteStats,
+    build_manifest,
+    discover_classes,
+    ledger_offsets,
+    list_manifests,
+    select_snapshots,
+)
+
+
+def task_stats(
+    partition: int,
+    offsets: range,
+    dead: set[int] = frozenset(),
+    labels=("normal",),
+    event_times=(1_000, 2_000),
+    files=(),
+) -> WriteStats:
+    stats = WriteStats()
+    for offset in offsets:
+        stats.partition(partition).add(offset, dead_letter=offset in dead)
+    stats.labels.update(labels)
+    stats.add_event_times(*event_times)
+    stats.files.extend(files)
+    return stats
+
+
+def commit(
+    settings: Settings, snapshot_id: str, ranges: dict, stats: WriteStats, watermarks=None
+) -> Manifest:
+    manifest = build_manifest(
+        settings,
+        snapshot_id,
+        ranges,
+        watermarks or {},
+        stats,
+        features=None,
+        features_weights=None,
+        allowed_lateness_s=60.0,
+    )
+    folder = settings.local_storage_path / "snapshots" / snapshot_id
+    folder.mkdir(parents=True)
+    (folder / MANIFEST).write_text(manifest.to_json())
+    return manifest
+
+
+@pytest.fixture
+def settings(tmp_path) -> Settings:
+    return Settings(topic="t", storage=str(tmp_path / "data"), image_size=32, model="cnn")
+
+
+def test_write_stats_merge_as_if_one_task_saw_everything():
+    merged = WriteStats()
+    merged.merge(task_stats(0, range(0, 5), dead={3}, labels=("a", "b"), event_times=(10, 20), files=["x"]))
+    merged.merge(task_stats(0, range(5, 9), labels=("a",), event_times=(5, 15), files=["y"]))
+    merged.merge(task_stats(1, range(2, 4), event_times=(30, 40)))
+    assert merged.partitions[0].records == 8 and merged.partitions[0].dlq == 1
+    assert merged.partitions[0].covers_once(0, 9) and merged.partitions[1].covers_once(2, 4)
+    assert merged.labels == {"a": 2, "b": 1, "normal": 1} and merged.files == ["x", "y"]
+    assert (merged.event_min, merged.event_max) == (5, 40)
+
+
+def test_manifest_json_is_the_contract_and_round_trips(settings):
+    manifest = commit(
+        settings,
+        "snap-1",
+        {0: (0, 4), 2: (10, 12)},
+        _merged(task_stats(0, range(0, 4), dead={1}), task_stats(2, range(10, 12))),
+        watermarks={0: 5_000},
+    )
+    stored = json.loads((settings.local_storage_path / "snapshots" / "snap-1" / MANIFEST).read_text())
+    assert stored["offsets"] == {
+        "0": {"start": 0, "end": 4, "records": 3, "dlq": 1, "watermark": 5_000},
+        "2": {"start": 10, "end": 12, "records": 2, "dlq": 0, "watermark": 2_000},
+    }
+    assert stored["format"] == "argus.snapshot.v1" and stored["records"] == 5 and stored["dlq"] == 1
+    assert stored["normalization"] == {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
+    assert Manifest.from_json(json.dumps(stored)) == manifest
+    assert manifest.lineage() == {
+        "snapshot_id": "snap-1",
+        "offsets": {"0": {"start": 0, "end": 4}, "2": {"start": 10, "end": 12}},
+    }
+
+
+@pytest.mark.parametrize(
+    "seen, why",
+    [
+        (range(0, 3), "a missing offset"),
+        (range(1, 5), "a missing first offset"),
+        (range(0, 5), "an offset past the end"),
+    ],
+)
+def test_build_manifest_refuses_anything_but_every_offset_once(settings, seen, why):
+    with pytest.raises(RuntimeError, match="expected offsets \\[0, 4\\) once each"):
+        build_manifest(
+            settings,
+            "snap-x",
+            {0: (0, 4)},
+            {},
+            task_stats(0, seen),
+            features=None,
+            features_weights=None,
+            allowed_lateness_s=60.0,
+        )
+
+
+def test_duplicated_offset_is_refused_even_when_the_count_matches(settings):
+    stats = task_stats(0, [0, 1, 1, 3])  # 2 never landed, 1 landed twice
+    with pytest.raises(RuntimeError, match="once each"):
+        build_manifest(
+            settings,
+            "snap-x",
+            {0: (0, 4)},
+            {},
+            stats,
+            features=None,
+            features_weights=None,
+            allowed_lateness_s=60.0,
+        )
+
+
+def test_the_ledger_starts_where_the_newest_snapshots_end(settings):
+    commit(
+        settings,
+        "snap-1",
+        {0: (0, 4), 1: (0, 2)},
+        _merged(task_stats(0, range(0, 4)), task_stats(1, range(0, 2))),
+    )
+    commit(settings, "snap-2", {0: (4, 9)}, task_stats(0, range(4, 9), event_times=(3_000, 9_000)))
+    (settings.local_storage_path / "snapshots" / "snap-3-no-manifest").mkdir()  # never committed: invisible
+    manifests = list_manifests(settings)
+    assert [m.snapshot_id for m in manifests] == ["snap-1", "snap-2"]
+    starts, watermarks = ledger_offsets(manifests, "t")
+    assert starts == {0: 9, 1: 2} and watermarks == {0: 9_000, 1: 2_000}
+    assert ledger_offsets(manifests, "another-topic") == ({}, {})
+
+
+def test_select_snapshots_by_id_and_classes_from_their_labels(settings):
+    commit(settings, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2), labels=("b", "a")))
+    commit(settings, "snap-2", {0: (2, 3)}, task_stats(0, range(2, 3), labels=("c",)))
+    assert [m.snapshot_id for m in select_snapshots(settings, None)] == ["snap-1", "snap-2"]
+    chosen = select_snapshots(settings, ("snap-2",))
+    assert [m.snapshot_id for m in chosen] == ["snap-2"]
+    assert discover_classes(select_snapshots(settings, None), None) == ["a", "b", "c"]
+    assert discover_classes(chosen, ("x", "y")) == ["x", "y"]
+    with pytest.raises(ValueError, match="unknown snapshots \\['snap-9'\\]"):
+        select_snapshots(settings, ("snap-9",))
+
+
+def test_select_snapshots_refuses_another_image_size_and_an_empty_store(settings, tmp_path):
+    commit(settings, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
+    with pytest.raises(ValueError, match="image sizes \\[32\\] but --image-size is 64"):
+        select_snapshots(Settings(topic="t", storage=settings.storage, image_size=64), None)
+    with pytest.raises(ValueError, match="run `ingest` first"):
+        select_snapshots(Settings(topic="t", storage=str(tmp_path / "empty")), None)
+
+
+def _merged(*parts: WriteStats) -> WriteStats:
+    merged = WriteStats()
+    for part in parts:
+        merged.merge(part)
+    return merged
