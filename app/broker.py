@@ -54,6 +54,8 @@ class EmbeddedBroker:
     port: int
     log_path: Path
     process: subprocess.Popen | None = None
+    advertised_url: str | None = None
+    """What metadata tells clients to connect to (default: the listener), e.g. a TLS proxy in front."""
 
     @property
     def bootstrap_servers(self) -> str:
@@ -76,7 +78,7 @@ class EmbeddedBroker:
             "--listener-url",
             url,
             "--advertised-listener-url",
-            url,
+            self.advertised_url or url,
             "--storage-engine",
             "memory://tansu/",
         ]
@@ -138,21 +140,22 @@ def recorded_broker(storage_dir: Path) -> str | None:
 
 @contextlib.contextmanager
 def kafka_endpoint(settings):
-    """Yield bootstrap servers: configured ones, a recorded embedded broker, or a new one."""
+    """Yield the KafkaConnection (with `--kafka-config`'s properties) to the configured bootstrap
+    servers, a recorded embedded broker, or a new one."""
     if settings.bootstrap_servers:
-        yield settings.bootstrap_servers
+        yield settings.kafka_connection()
         return
     storage_dir = settings.local_storage_path
     recorded = recorded_broker(storage_dir)
     if recorded:
-        yield recorded
+        yield settings.kafka_connection(recorded)
         return
     log.warning(
         "no bootstrap servers configured and no `python -m app broker` running: starting an "
         "embedded broker for this command only (its records vanish when it ends)"
     )
     with EmbeddedBroker.create(storage_dir) as broker:
-        yield broker.bootstrap_servers
+        yield settings.kafka_connection(broker.bootstrap_servers)
 
 
 def run_foreground(storage_dir: Path, port: int) -> int:

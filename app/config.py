@@ -50,6 +50,13 @@ class Settings:
     """Fixed class list; None means the sorted distinct labels of the training data."""
     partitions: int = 4
     """Partitions for topics Argus creates."""
+    replication_factor: int = 1
+    """Replication factor of topics Argus creates."""
+    kafka_config: str | None = None
+    """File of librdkafka properties (`security.protocol`, `ssl.*`, `sasl.*`, ...) applied to every
+    Kafka client Argus creates; see `app.kafka_config.load_kafka_config`."""
+    kafka_properties: dict[str, str] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    """`kafka_config`'s properties, parsed and checked once here."""
     model_name: str = DEFAULT_MODEL_NAME
     """Registered model name in MLflow."""
 
@@ -57,6 +64,9 @@ class Settings:
         _require(self.model in MODELS, f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
         _require(8 <= self.image_size <= 1024, f"--image-size must be in 8..1024, got {self.image_size}")
         _require(self.partitions >= 1, f"--partitions must be >= 1, got {self.partitions}")
+        _require(
+            self.replication_factor >= 1, f"--replication-factor must be >= 1, got {self.replication_factor}"
+        )
         _require(bool(self.topic.strip()), "--topic must not be empty")
         if self.classes is not None:
             _require(len(self.classes) >= 2, "--classes needs at least two class names")
@@ -64,6 +74,19 @@ class Settings:
         if self.bootstrap_servers is not None:
             for server in self.bootstrap_servers.split(","):
                 _parse_host_port(server)
+        if self.kafka_config is not None:
+            from app.kafka_config import load_kafka_config
+
+            self.kafka_properties = load_kafka_config(self.kafka_config)
+
+    def kafka_connection(self, bootstrap_servers: str | None = None):
+        """The `app.kafka.KafkaConnection` to `bootstrap_servers` (default: the configured ones) with
+        `--kafka-config`'s properties: what every Kafka client Argus creates is built from."""
+        from app.kafka import KafkaConnection
+
+        servers = bootstrap_servers or self.bootstrap_servers
+        _require(servers is not None, "no Kafka bootstrap servers configured")
+        return KafkaConnection(servers, self.kafka_properties)
 
     @property
     def dlq_topic(self) -> str:
@@ -165,9 +188,18 @@ class IngestConfig:
     """Records per map_batches call."""
     records_per_block: int = 512
     """Records per block a Kafka read task yields: bounds memory, keeps the stream moving."""
+    dlq_max_bytes: int = 1_000_000
+    """Dead letters with a larger value go to `<storage>/dlq/` and the DLQ topic gets a pointer
+    record (Kafka's default `max.message.bytes` is about 1 MB)."""
+    lease_ttl_s: float = 30.0
+    """The ingest lease's expiry: a writer that stops renewing it loses it after this long."""
+    strict: bool = False
+    """Fail instead of continuing when retention deleted records before they were ingested."""
 
     def __post_init__(self) -> None:
         _require(self.max_record_bytes > 0, "--max-record-bytes must be > 0")
+        _require(self.dlq_max_bytes > 0, "--dlq-max-bytes must be > 0")
+        _require(self.lease_ttl_s >= 1, "--lease-ttl-s must be >= 1")
         _require(self.allowed_lateness_s >= 0, "--allowed-lateness-s must be >= 0")
         _require(self.features in (None, "resnet50"), f"--features must be resnet50, got {self.features!r}")
         _require(self.concurrency is None or self.concurrency >= 1, "--concurrency must be >= 1")
@@ -257,6 +289,7 @@ def env_defaults() -> dict:
     """Settings fields taken from the environment (CONTRACT.md §3); flags override them."""
     mapping = {
         "KAFKA_BOOTSTRAP_SERVERS": "bootstrap_servers",
+        "KAFKA_CONFIG": "kafka_config",
         "ARGUS_TOPIC": "topic",
         "ARGUS_STORAGE": "storage",
         "MLFLOW_TRACKING_URI": "mlflow_uri",

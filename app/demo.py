@@ -66,9 +66,10 @@ def run_demo(settings: Settings, args) -> int:
         bootstrap = broker.bootstrap_servers
         timings["broker"] = time.perf_counter() - t
         print(f"broker on {bootstrap} (pid {broker.process.pid}, log {broker.log_path})")
+    kafka = settings.kafka_connection(bootstrap)
     try:
         t = _step(f"producing {args.records} synthetic behaviour images to {settings.topic}")
-        print(produce(settings, ProduceConfig(synthetic=args.records, seed=7), bootstrap))
+        print(produce(settings, ProduceConfig(synthetic=args.records, seed=7), kafka))
         timings["produce"] = time.perf_counter() - t
 
         with ray_session(settings, dashboard=True) as dashboard_url:
@@ -78,7 +79,7 @@ def run_demo(settings: Settings, args) -> int:
                 flush=True,
             )
             t = _step("ingesting with Ray Data: Kafka → preprocess → Parquet snapshot")
-            print(ingest(settings, IngestConfig(), bootstrap))
+            print(ingest(settings, IngestConfig(), kafka))
             timings["ingest"] = time.perf_counter() - t
 
             t = _step(f"training with Ray Train: {settings.model}, 2 CPU workers, {args.epochs} epochs")

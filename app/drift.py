@@ -96,9 +96,10 @@ def reference_statistics(
     """Image statistics of every record the version was trained on, and its label shares."""
     import ray.data
 
-    from app.snapshot import read_manifest, snapshot_uri
+    from app.snapshot import data_file_uris, read_manifest
 
-    paths = [snapshot_uri(settings, s["snapshot_id"]) for s in card.snapshots]
+    manifests = [read_manifest(settings, s["snapshot_id"]) for s in card.snapshots]
+    paths = data_file_uris(settings, manifests)
     columns = {name: [] for name in STATISTICS}
     dataset = ray.data.read_parquet(
         paths, columns=["image"], file_extensions=["parquet"], ray_remote_args={"num_cpus": 0.25}
@@ -110,8 +111,8 @@ def reference_statistics(
             columns[f"mean_{channel}"].append(means[:, i])
             columns[f"std_{channel}"].append(stds[:, i])
     labels: dict[str, float] = {}
-    for snapshot in card.snapshots:
-        for label, count in read_manifest(settings, snapshot["snapshot_id"]).label_counts.items():
+    for manifest in manifests:
+        for label, count in manifest.label_counts.items():
             labels[label] = labels.get(label, 0) + count
     total = sum(labels.values()) or 1
     return {k: np.concatenate(v) for k, v in columns.items()}, {k: v / total for k, v in labels.items()}
@@ -175,6 +176,10 @@ def retraining_entrypoint(settings: Settings, card: registry.ModelCard) -> str:
     ]
     if settings.bootstrap_servers:
         common += ["--bootstrap-servers", settings.bootstrap_servers]
+    if settings.kafka_config:  # the job runs in a copy of the working dir: an absolute path
+        common += ["--kafka-config", str(Path(settings.kafka_config).resolve())]
+    if settings.replication_factor != 1:
+        common += ["--replication-factor", str(settings.replication_factor)]
     ingest = shlex.join(["python", "-m", "app", "ingest", *common])
     train = shlex.join(["python", "-m", "app", "train", *common, "--promote-if-better"])
     return f"{ingest} && {train}"

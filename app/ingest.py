@@ -2,11 +2,13 @@
 
     python -m app ingest                        # Kafka → Ray Data → <storage>/snapshots/<id>/
 
-Ingest reads every partition from where the last durable snapshot ended to its true end (the
-embedded broker under-reports high watermarks, so the end is probed, never trusted), preprocesses
-in an actor pool with the one transform training and serving share, writes Parquet plus a
-manifest under a temporary name, renames it into place, and only then commits the offsets. The
-manifests are the offset ledger, so a run killed anywhere and rerun yields each record once.
+Ingest holds the topic's lease (one writer at a time), reads every partition from where the last
+committed snapshot ended to its true end (the embedded broker under-reports high watermarks, so
+the end is probed, never trusted), preprocesses in an actor pool with the one transform training
+and serving share, writes Parquet straight into the snapshot's folder, commits the manifest (one
+object, never overwritten: no rename, so S3 works as local disk does), and only then commits the
+offsets. The manifests are the offset ledger, so a run killed anywhere and rerun yields each
+record once.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from ray.data import DataContext, Datasink
 from ray.data.block import BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from app import kafka, metrics
+from app import kafka, metrics, storage
 from app import snapshot as store
 from app.config import IngestConfig, Settings
+from app.lease import Lease, LeaseHeld
 from app.preprocess import preprocess_batches
+from app.records import record_headers
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +57,7 @@ class KafkaRangeDatasource(Datasource):
 
     def __init__(
         self,
-        bootstrap_servers: str,
+        connection: kafka.KafkaConnection,
         topic: str,
         ranges: dict[int, tuple[int, int]],
         records_per_block: int,
@@ -61,7 +65,7 @@ class KafkaRangeDatasource(Datasource):
         allowed_lateness_ms: int,
         max_offsets_per_task: int = 20_000,
     ):
-        self.bootstrap_servers, self.topic = bootstrap_servers, topic
+        self.connection, self.topic = connection, topic
         self.ranges = ranges
         self.records_per_block = records_per_block
         self.watermarks = watermarks
@@ -87,7 +91,7 @@ class KafkaRangeDatasource(Datasource):
                 # Each chunk after the first seeds its watermark from the previous snapshot only;
                 # tasks run in parallel, so cross-chunk order is not observable.
                 args = (
-                    self.bootstrap_servers,
+                    self.connection,
                     self.topic,
                     partition,
                     lo,
@@ -150,26 +154,20 @@ def streaming_blocks(max_block_bytes: int = kafka.MAX_BLOCK_BYTES) -> Iterator[N
 
 
 class SnapshotSink(Datasink):
-    """Ray Data sink: good rows → Parquet under the snapshot's staging dir, by event date; dead
-    letters → `<topic>.dlq` with an `error` header and their source coordinates."""
+    """Ray Data sink: good rows → Parquet files straight under the snapshot's folder, by event date
+    (invisible until the manifest commits them); dead letters → `<topic>.dlq` with an `error`
+    header and their source coordinates (too large for the topic: the bytes to `<storage>/dlq/`,
+    a pointer record to the topic)."""
 
-    def __init__(self, staging_uri: str, bootstrap_servers: str, topic: str, dlq_topic: str):
-        self.staging_uri, self.bootstrap_servers = staging_uri, bootstrap_servers
-        self.topic, self.dlq_topic = topic, dlq_topic
+    def __init__(self, target: SinkTarget):
+        self.target = target
         self.stats = store.WriteStats()
 
     def get_name(self):
         return "Snapshot"
 
     def write(self, blocks, ctx) -> store.WriteStats:
-        return write_snapshot_blocks(
-            blocks,
-            self.staging_uri,
-            self.bootstrap_servers,
-            self.topic,
-            self.dlq_topic,
-            f"{ctx.task_idx:05d}",
-        )
+        return write_snapshot_blocks(blocks, self.target, f"{ctx.task_idx:05d}")
 
     def on_write_complete(self, write_result):
         # Runs on the driver's instance: the per-task accounting becomes the manifest.
@@ -177,21 +175,47 @@ class SnapshotSink(Datasink):
             self.stats.merge(task_stats)
 
 
-def _dead_letter_headers(row: dict, topic: str) -> list[tuple[str, bytes]]:
-    headers = kafka.record_headers(row["label"], row["event_time"], row["device_id"])
-    return headers + [
+@dataclass(frozen=True)
+class SinkTarget:
+    """Where one ingest's write tasks put what they write."""
+
+    snapshot_uri: str
+    dlq_storage_uri: str
+    connection: kafka.KafkaConnection
+    topic: str
+    dlq_topic: str
+    dlq_max_bytes: int
+
+
+def _dead_letter(row: dict, target: SinkTarget) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """The DLQ record's value and headers; a value too large for the topic is stored under
+    `<storage>/dlq/` and the record carries a pointer to it instead."""
+    headers = record_headers(row["label"], row["event_time"], row["device_id"])
+    headers += [
         ("error", row["error"].encode()),
-        ("source_topic", topic.encode()),
+        ("source_topic", target.topic.encode()),
         ("source_partition", str(row["partition"]).encode()),
         ("source_offset", str(row["offset"]).encode()),
     ]
+    value = row["value"]
+    if len(value) <= target.dlq_max_bytes:
+        return value, headers
+    # Named by its source coordinates: a rerun after a crash overwrites the same object.
+    uri = f"{target.dlq_storage_uri}/{target.topic}/{row['partition']}-{row['offset']}.bin"
+    fs, path = store.filesystem(uri)
+    digest = storage.write_file(fs, path, value)
+    headers += [
+        ("payload_uri", uri.encode()),
+        ("payload_size", str(digest.size).encode()),
+        ("payload_sha256", digest.sha256.encode()),
+    ]
+    return b"", headers
 
 
-def write_snapshot_blocks(
-    blocks, staging_uri: str, bootstrap_servers: str, topic: str, dlq_topic: str, task_name: str
-) -> store.WriteStats:
-    """One write task: Parquet files and dead letters, and the accounting the manifest is built from."""
-    fs, root = store.filesystem(staging_uri)
+def write_snapshot_blocks(blocks, target: SinkTarget, task_name: str) -> store.WriteStats:
+    """One write task: Parquet files (size and SHA-256 recorded for the manifest), dead letters,
+    and the accounting the manifest is built from."""
+    fs, root = store.filesystem(target.snapshot_uri)
     stats = store.WriteStats()
     producer = None
     failures: list[BaseException] = []
@@ -201,26 +225,19 @@ def write_snapshot_blocks(
             table = BlockAccessor.for_block(block).to_arrow()
             stats.value_bytes += pc.sum(table.column("value_size")).as_py() or 0
             errors = table.column("error").to_pylist()
-            for p, offset, error in zip(
+            coordinates = zip(
                 table.column("partition").to_pylist(), table.column("offset").to_pylist(), errors
-            ):
+            )
+            for p, offset, error in coordinates:
                 stats.partition(p).add(offset, dead_letter=bool(error))
             bad = [i for i, e in enumerate(errors) if e]
             if bad:
-                producer = producer or kafka.make_producer(bootstrap_servers)
-                rows = (
-                    table.take(bad)
-                    .select(
-                        ["partition", "offset", "key", "value", "label", "event_time", "device_id", "error"]
-                    )
-                    .to_pylist()
-                )
-                for row in rows:
+                producer = producer or target.connection.producer()
+                columns = ["partition", "offset", "key", "value", "label", "event_time", "device_id", "error"]
+                for row in table.take(bad).select(columns).to_pylist():
+                    value, headers = _dead_letter(row, target)
                     future = producer.send(
-                        dlq_topic,
-                        key=(row["key"] or "").encode(),
-                        value=row["value"],
-                        headers=_dead_letter_headers(row, topic),
+                        target.dlq_topic, key=(row["key"] or "").encode(), value=value, headers=headers
                     )
                     future.add_errback(failures.append)
                     stats.dlq_errors[row["error"].split(":")[0]] += 1
@@ -236,10 +253,11 @@ def write_snapshot_blocks(
             good = good.append_column("event_date", pa.array(dates, pa.string()))
             for date in sorted(set(dates)):
                 subset = good.filter(pc.equal(good.column("event_date"), date)).drop_columns(["event_date"])
-                path = f"{root}/event_date={date}/part-{task_name}-{part:04d}.parquet"
-                fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-                pq.write_table(subset, path, filesystem=fs)
-                stats.files.append(path[len(root) + 1 :])
+                relative = f"event_date={date}/part-{task_name}-{part:04d}.parquet"
+                buffer = pa.BufferOutputStream()
+                pq.write_table(subset, buffer)
+                digest = storage.write_file(fs, f"{root}/{relative}", buffer.getvalue().to_pybytes())
+                stats.files.append(store.DataFile(relative, digest.size, digest.sha256))
                 part += 1
         if producer is not None:
             producer.flush()
@@ -248,7 +266,7 @@ def write_snapshot_blocks(
             producer.close()
     if failures:  # an unacknowledged dead letter would be a lost record: fail before anything commits
         raise RuntimeError(
-            f"{len(failures)} dead letters were not acknowledged by {dlq_topic}: {failures[0]}"
+            f"{len(failures)} dead letters were not acknowledged by {target.dlq_topic}: {failures[0]}"
         )
     return stats
 
@@ -264,8 +282,12 @@ class IngestReport:
     offsets: dict[int, tuple[int, int]]
     seconds: float
     value_bytes: int
+    held_by: str | None = None
+    """Set when another ingest held the lease, so this one wrote nothing."""
 
     def __str__(self) -> str:
+        if self.held_by is not None:
+            return f"another ingest is writing this topic's snapshots ({self.held_by}); nothing written"
         if self.snapshot_id is None:
             return "nothing new to ingest: every partition is at its end; no snapshot written"
         ranges = ", ".join(f"p{p}:[{s},{e})" for p, (s, e) in sorted(self.offsets.items()))
@@ -285,14 +307,14 @@ def _fault(point: str) -> None:
 
 
 def pending_ranges(
-    settings: Settings, bootstrap_servers: str
+    settings: Settings, connection: kafka.KafkaConnection, manifests: list[store.Manifest]
 ) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
     """Per partition, the offsets [ledger end, proven topic end) not yet in a snapshot (only the
     non-empty ones), and the ledger's event-time watermarks."""
-    previous, watermarks = store.ledger_offsets(store.list_manifests(settings), settings.topic)
-    partitions = kafka.partitions_of(bootstrap_servers, settings.topic)
+    previous, watermarks = store.ledger_offsets(manifests, settings.topic)
+    partitions = kafka.partitions_of(connection, settings.topic)
     starts = {p: previous.get(p, 0) for p in partitions}
-    ends = kafka.probe_end_offsets(bootstrap_servers, settings.topic, partitions)
+    ends = kafka.probe_end_offsets(connection, settings.topic, partitions)
     behind = {p: (starts[p], ends[p]) for p in partitions if ends[p] < starts[p]}
     if behind:
         raise RuntimeError(
@@ -303,22 +325,43 @@ def pending_ranges(
     return {p: (starts[p], ends[p]) for p in partitions if ends[p] > starts[p]}, watermarks
 
 
-def ingest(settings: Settings, cfg: IngestConfig, bootstrap_servers: str) -> IngestReport:
-    """`python -m app ingest`: one bounded, exactly-once read of the topic into a new snapshot."""
+def ingest_lease(settings: Settings, cfg: IngestConfig) -> Lease:
+    """The lease every writer of this storage's snapshots of the topic takes (ingest, watch)."""
+    return Lease(settings.uri("leases", f"ingest-{settings.topic}"), ttl_s=cfg.lease_ttl_s)
+
+
+def ingest(settings: Settings, cfg: IngestConfig, connection: kafka.KafkaConnection) -> IngestReport:
+    """`python -m app ingest`: one bounded, exactly-once read of the topic into a new snapshot.
+
+    Under the topic's lease: clean up what dead writers left, read [ledger end, proven end) into
+    Parquet under the new snapshot's folder, re-read the ledger, commit the manifest, then mirror
+    the offsets into the consumer group. A second ingest started meanwhile writes nothing."""
     started = time.perf_counter()
-    kafka.ensure_topics(bootstrap_servers, [settings.topic, settings.dlq_topic], settings.partitions)
-    fs, snapshots_root = store.filesystem(settings.uri("snapshots"))
-    fs.create_dir(snapshots_root, recursive=True)
-    store.clean_staging(fs, snapshots_root)
-    ranges, watermarks = pending_ranges(settings, bootstrap_servers)
+    kafka.ensure_topics(
+        connection, settings.topic, settings.dlq_topic, settings.partitions, settings.replication_factor
+    )
+    lease = ingest_lease(settings, cfg)
+    try:
+        with lease.held():
+            return _ingest_holding(settings, cfg, connection, lease, started)
+    except LeaseHeld as exc:
+        log.warning("ingest of %s into %s skipped: %s", settings.topic, settings.storage, exc)
+        return IngestReport(None, 0, 0, {}, time.perf_counter() - started, 0, held_by=str(exc))
+
+
+def _ingest_holding(
+    settings: Settings, cfg: IngestConfig, connection: kafka.KafkaConnection, lease: Lease, started: float
+) -> IngestReport:
+    manifests = store.list_manifests(settings, quarantine=True)
+    store.remove_uncommitted(settings)  # their writers' leases expired: they are gone
+    ranges, watermarks = pending_ranges(settings, connection, manifests)
     if not ranges:
         return IngestReport(None, 0, 0, {}, time.perf_counter() - started, 0)
 
     snapshot_id = store.new_snapshot_id()
-    staging = f"{store.STAGING_PREFIX}{snapshot_id}"
     log.info("ingesting %s offsets %s into %s", settings.topic, ranges, snapshot_id)
     source = KafkaRangeDatasource(
-        bootstrap_servers,
+        connection,
         settings.topic,
         ranges,
         cfg.records_per_block,
@@ -327,9 +370,15 @@ def ingest(settings: Settings, cfg: IngestConfig, bootstrap_servers: str) -> Ing
     )
     with streaming_blocks():
         dataset = preprocess_batches(read_ranges(source), settings, cfg)
-    sink = SnapshotSink(
-        settings.uri("snapshots", staging), bootstrap_servers, settings.topic, settings.dlq_topic
+    target = SinkTarget(
+        store.snapshot_uri(settings, snapshot_id),
+        settings.uri("dlq"),
+        connection,
+        settings.topic,
+        settings.dlq_topic,
+        cfg.dlq_max_bytes,
     )
+    sink = SnapshotSink(target)
     dataset.write_datasink(sink, ray_remote_args={"num_cpus": IO_TASK_CPUS}, concurrency=io_concurrency())
     manifest = store.build_manifest(
         settings,
@@ -342,11 +391,14 @@ def ingest(settings: Settings, cfg: IngestConfig, bootstrap_servers: str) -> Ing
         allowed_lateness_s=cfg.allowed_lateness_s,
     )
     _fault("after_write")
-    store.atomic_write(fs, f"{snapshots_root}/{staging}/{store.MANIFEST}", manifest.to_json().encode())
-    fs.move(f"{snapshots_root}/{staging}", f"{snapshots_root}/{snapshot_id}")
+    check_no_overlap(settings, ranges)
+    lease.check()
+    _fault("before_manifest")
+    if not store.commit(settings, manifest):
+        raise RuntimeError(f"snapshot {snapshot_id} already has a manifest: another writer used this id")
     _fault("before_commit")
     ends = {p: end for p, (_, end) in ranges.items()}
-    kafka.commit_offsets(bootstrap_servers, cfg.group, settings.topic, ends)
+    kafka.commit_offsets(connection, cfg.group, settings.topic, ends)
     store.write_offsets_file(settings, cfg.group, ends)
     report = IngestReport(
         snapshot_id,
@@ -360,12 +412,25 @@ def ingest(settings: Settings, cfg: IngestConfig, bootstrap_servers: str) -> Ing
     return report
 
 
+def check_no_overlap(settings: Settings, ranges: dict[int, tuple[int, int]]) -> None:
+    """The ledger re-read just before the commit: a snapshot committed meanwhile that covers any of
+    these offsets (a writer that ignored or outlived the lease) aborts this one."""
+    for manifest in store.list_manifests(settings):
+        if manifest.topic != settings.topic:
+            continue
+        for p, entry in manifest.offsets.items():
+            start, end = ranges.get(p, (0, 0))
+            if entry.start < end and start < entry.end:
+                raise RuntimeError(
+                    f"snapshot {manifest.snapshot_id} was committed meanwhile with offsets "
+                    f"[{entry.start}, {entry.end}) of partition {p}, overlapping this ingest's "
+                    f"[{start}, {end}); nothing committed"
+                )
+
+
 def _export_metrics(topic: str, report: IngestReport) -> None:
     metrics.inc("argus_records_ingested", report.records, topic=topic)
     metrics.inc("argus_dlq_records", report.dlq, topic=topic)
-    metrics.set_gauge(
-        "argus_ingest_records_per_second", (report.records + report.dlq) / report.seconds, topic=topic
-    )
-    metrics.set_gauge(
-        "argus_ingest_megabytes_per_second", report.value_bytes / report.seconds / 1e6, topic=topic
-    )
+    seconds = max(report.seconds, 1e-9)
+    metrics.set_gauge("argus_ingest_records_per_second", (report.records + report.dlq) / seconds, topic=topic)
+    metrics.set_gauge("argus_ingest_megabytes_per_second", report.value_bytes / seconds / 1e6, topic=topic)

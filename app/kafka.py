@@ -1,7 +1,10 @@
-"""Kafka clients, as every stage creates them: admin, producer, consumers, the end probe and the
-exact range reader (CONTRACT.md §1 records).
+"""Kafka clients, as every stage creates them: admin and topics, producer, consumers, the end
+probe and the exact range reader of CONTRACT.md §1 records (their headers: `app.records`; the
+`--kafka-config` properties they apply: `app.kafka_config`).
 
-kafka-python produces and administers; confluent-kafka (librdkafka) reads, as Ray Data does.
+kafka-python produces and administers; confluent-kafka (librdkafka) reads, as Ray Data does. Every
+client comes from a `KafkaConnection` (bootstrap servers + the file's properties), which travels to
+Ray tasks by pickling, so a read or write task connects exactly as the driver does.
 """
 
 from __future__ import annotations
@@ -9,60 +12,201 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from app.config import ConfigError
+from app.kafka_config import PRODUCER_ONLY, kafka_python_options
+from app.records import header_fields, message_headers
+
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = "ubi.v1"
 MAX_BLOCK_BYTES = 16 * 1024 * 1024
 """Ingest's Ray Data block size: a read task passes its records on every `records_per_block` or this
 many bytes, and transforms split larger outputs."""
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""The largest request the producer sends and the largest message consumers fetch; also the DLQ's
+`max.message.bytes` when the source topic's cannot be read."""
 
 
-def admin_client(bootstrap_servers: str):
-    from kafka import KafkaAdminClient
+@dataclass(frozen=True)
+class KafkaConnection:
+    """How Argus reaches Kafka: bootstrap servers and librdkafka properties (`--kafka-config`).
 
-    return KafkaAdminClient(bootstrap_servers=bootstrap_servers, client_id="argus-admin")
+    Picklable; every client Argus creates comes from one of its methods. The properties are kept out
+    of repr, since they may hold passwords.
+    """
+
+    bootstrap_servers: str
+    properties: Mapping[str, str] = field(default_factory=dict, repr=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "properties", dict(self.properties))
+        kafka_python_options(self.properties)
+
+    def consumer(self, **extra):
+        """A confluent-kafka consumer for bounded reads; `extra` overrides Argus's defaults."""
+        from confluent_kafka import Consumer
+
+        config = {
+            "bootstrap.servers": self.bootstrap_servers,
+            "group.id": f"argus-reader-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "fetch.max.bytes": MAX_MESSAGE_BYTES,
+            "message.max.bytes": MAX_MESSAGE_BYTES,
+            # One consumer reads one partition: librdkafka's 1 MiB per-partition fetch would
+            # make every round trip carry ~100 images.
+            "max.partition.fetch.bytes": 16 * 1024 * 1024,
+            # Bounded reads end at a known offset: waiting up to 500 ms (the default) at the log's
+            # end for more data only delays the EOF that proves the end.
+            "fetch.wait.max.ms": 10,
+            "session.timeout.ms": 6000,
+        }
+        config.update({k: v for k, v in self.properties.items() if k not in PRODUCER_ONLY})
+        config.update(extra)
+        return Consumer(config)
+
+    def _kafka_python(self, defaults: dict) -> dict:
+        return {
+            "bootstrap_servers": self.bootstrap_servers,
+            **defaults,
+            **kafka_python_options(self.properties),
+        }
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.properties.get("security.protocol", "").upper() in ("SSL", "SASL_SSL")
+
+    def check_tls(self, timeout_s: float = 10.0) -> None:
+        """Where the properties ask for TLS, shake hands with the bootstrap servers as kafka-python
+        does (same CA, client certificate, hostname check) and raise ConfigError naming the TLS
+        failure: the Kafka clients themselves only report an unreachable cluster, after retrying."""
+        import socket
+        import ssl
+
+        if not self.uses_tls:
+            return
+        options = kafka_python_options(self.properties)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.check_hostname = options.get("ssl_check_hostname", True)
+        try:
+            if options.get("ssl_cafile"):
+                context.load_verify_locations(options["ssl_cafile"])
+            else:
+                context.load_default_certs()
+            if options.get("ssl_certfile"):
+                context.load_cert_chain(
+                    options["ssl_certfile"], options.get("ssl_keyfile"), options.get("ssl_password")
+                )
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(f"TLS files of the Kafka properties do not load: {exc}") from None
+        failures = []
+        for server in self.bootstrap_servers.split(","):
+            host, _, port = server.strip().rpartition(":")
+            try:
+                with socket.create_connection((host, int(port)), timeout=timeout_s) as raw:
+                    with context.wrap_socket(raw, server_hostname=host):
+                        return
+            except ssl.SSLError as exc:
+                failures.append(f"{server.strip()}: {str(exc).split(' (_ssl.c')[0]}")
+            except OSError:
+                continue  # unreachable is check_reachable's to report; another server may answer
+        if failures:
+            ca = self.properties.get("ssl.ca.location", "the system's CA certificates")
+            raise ConfigError(f"TLS handshake with Kafka failed ({'; '.join(failures)}; CA: {ca})")
+
+    def _connect(self, factory, **kwargs):
+        from kafka.errors import KafkaError
+
+        try:
+            return factory(**kwargs)
+        except KafkaError:
+            self.check_tls()  # a TLS failure says what it is; anything else stays as it was
+            raise
+
+    def producer(self, linger_ms: int = 20, batch_bytes: int = 256 * 1024):
+        """A kafka-python producer: acks=all and retries, since a gateway must not lose what devices
+        sent; linger batches records."""
+        from kafka import KafkaProducer
+
+        defaults = {
+            "acks": "all",
+            "linger_ms": linger_ms,
+            "batch_size": batch_bytes,
+            "max_request_size": MAX_MESSAGE_BYTES,
+            "retries": 5,
+            "client_id": "argus-producer",
+        }
+        return self._connect(KafkaProducer, **self._kafka_python(defaults))
+
+    def admin(self):
+        from kafka import KafkaAdminClient
+
+        defaults = {"client_id": "argus-admin"}
+        return self._connect(KafkaAdminClient, **self._kafka_python(defaults))
 
 
-def ensure_topics(bootstrap_servers: str, topics: Sequence[str], partitions: int) -> None:
-    """Create the topics that do not exist yet; existing ones keep their partition count."""
-    from kafka.admin import NewTopic
+# ---------------------------------------------------------------- topics
+DLQ_HEADER_ROOM = 64 * 1024
+"""Bytes a dead letter may carry beyond its source record: the error and source headers."""
 
-    admin = admin_client(bootstrap_servers)
+
+def _max_message_bytes(admin, topic: str) -> int | None:
+    """The topic's `max.message.bytes`, or None where the broker does not say."""
+    from kafka.admin import ConfigResource, ConfigResourceType
+
     try:
-        missing = [t for t in topics if t not in set(admin.list_topics())]
-        if missing:
-            admin.create_topics([NewTopic(t, partitions, 1) for t in missing])
-            log.info("created topics %s with %d partitions", missing, partitions)
+        resource = ConfigResource(ConfigResourceType.TOPIC, topic)
+        described = admin.describe_configs([resource], config_filter="all")
+        return int(described["topic"][topic]["max.message.bytes"]["value"])
+    except Exception as exc:  # an old or minimal broker: fall back to what the producer sends
+        log.debug("max.message.bytes of %s unknown: %s", topic, exc)
+        return None
+
+
+def ensure_topics(
+    kafka: KafkaConnection, topic: str, dlq_topic: str, partitions: int, replication_factor: int = 1
+) -> None:
+    """Create the topic and its DLQ where they do not exist yet; existing ones keep their settings.
+
+    The DLQ is created with a `max.message.bytes` of at least the source topic's (plus room for the
+    dead-letter headers), so every record the topic accepted fits as a dead letter; where the broker
+    does not report the source's, the producer's limit (MAX_MESSAGE_BYTES).
+    """
+    from kafka.admin import NewTopic
+    from kafka.errors import KafkaError
+
+    admin = kafka.admin()
+    try:
+        existing = set(admin.list_topics())
+        if topic not in existing:
+            admin.create_topics([NewTopic(topic, partitions, replication_factor)])
+            log.info("created topic %s: %d partitions, replication %d", topic, partitions, replication_factor)
+        if dlq_topic not in existing:
+            source = _max_message_bytes(admin, topic)
+            limit = MAX_MESSAGE_BYTES if source is None else source + DLQ_HEADER_ROOM
+            configs = {"max.message.bytes": str(limit)}
+            try:
+                admin.create_topics(
+                    [NewTopic(dlq_topic, partitions, replication_factor, topic_configs=configs)]
+                )
+            except KafkaError as exc:
+                if dlq_topic in set(admin.list_topics()):
+                    raise
+                log.warning(
+                    "the broker refused %s for %s (%s): creating it with the broker's defaults",
+                    configs,
+                    dlq_topic,
+                    exc,
+                )
+                admin.create_topics([NewTopic(dlq_topic, partitions, replication_factor)])
+            log.info("created topic %s with max.message.bytes %d", dlq_topic, limit)
     finally:
         admin.close()
-
-
-def make_producer(bootstrap_servers: str, linger_ms: int = 20, batch_bytes: int = 256 * 1024):
-    from kafka import KafkaProducer
-
-    # acks=all and retries: a gateway must not lose what devices sent; linger batches records.
-    return KafkaProducer(
-        bootstrap_servers=bootstrap_servers,
-        acks="all",
-        linger_ms=linger_ms,
-        batch_size=batch_bytes,
-        max_request_size=64 * 1024 * 1024,
-        retries=5,
-        client_id="argus-producer",
-    )
-
-
-def record_headers(label: str | None, event_time_ms: int, device_id: str | None) -> list[tuple[str, bytes]]:
-    headers = [("schema", SCHEMA_VERSION.encode()), ("event_time", str(int(event_time_ms)).encode())]
-    if label is not None:
-        headers.append(("label", label.encode()))
-    if device_id is not None:
-        headers.append(("device_id", device_id.encode()))
-    return headers
 
 
 RAW_SCHEMA = pa.schema(
@@ -82,42 +226,20 @@ RAW_SCHEMA = pa.schema(
 )
 
 
-def make_consumer(bootstrap_servers: str, **extra):
-    from confluent_kafka import Consumer
-
-    config = {
-        "bootstrap.servers": bootstrap_servers,
-        "group.id": f"argus-reader-{uuid.uuid4().hex[:8]}",
-        "enable.auto.commit": False,
-        "enable.partition.eof": True,
-        "fetch.max.bytes": 64 * 1024 * 1024,
-        "message.max.bytes": 64 * 1024 * 1024,
-        # One consumer reads one partition: librdkafka's 1 MiB per-partition fetch would
-        # make every round trip carry ~100 images.
-        "max.partition.fetch.bytes": 16 * 1024 * 1024,
-        # Bounded reads end at a known offset: waiting up to 500 ms (the default) at the log's
-        # end for more data only delays the EOF that proves the end.
-        "fetch.wait.max.ms": 10,
-        "session.timeout.ms": 6000,
-    }
-    config.update(extra)
-    return Consumer(config)
-
-
-def partitions_of(bootstrap_servers: str, topic: str) -> list[int]:
-    consumer = make_consumer(bootstrap_servers)
+def partitions_of(kafka: KafkaConnection, topic: str) -> list[int]:
+    consumer = kafka.consumer()
     try:
         metadata = consumer.list_topics(topic, timeout=10)
         topic_metadata = metadata.topics.get(topic)
         if topic_metadata is None or topic_metadata.error is not None:
-            raise RuntimeError(f"topic {topic!r} not found on {bootstrap_servers}")
+            raise RuntimeError(f"topic {topic!r} not found on {kafka.bootstrap_servers}")
         return sorted(topic_metadata.partitions)
     finally:
         consumer.close()
 
 
 def probe_end_offsets(
-    bootstrap_servers: str, topic: str, partitions: Iterable[int], timeout_s: float = 60.0
+    kafka: KafkaConnection, topic: str, partitions: Iterable[int], timeout_s: float = 60.0
 ) -> dict[int, int]:
     """The true end (last offset + 1) of each partition, proven by reading past the reported one.
 
@@ -127,7 +249,7 @@ def probe_end_offsets(
     """
     from confluent_kafka import KafkaError, TopicPartition
 
-    consumer = make_consumer(bootstrap_servers)
+    consumer = kafka.consumer()
     try:
         ends, assignments = {}, []
         for partition in partitions:
@@ -157,31 +279,8 @@ def probe_end_offsets(
         consumer.close()
 
 
-def header_fields(headers) -> dict:
-    values = {k: v for k, v in (headers or [])}
-
-    def text(name):
-        raw = values.get(name)
-        return raw.decode("utf-8", "replace") if raw is not None else None
-
-    fields = {
-        "label": text("label"),
-        "device_id": text("device_id"),
-        "schema": text("schema"),
-        "event_time": None,
-        "header_error": None,
-    }
-    raw_time = text("event_time")
-    if raw_time is not None:
-        try:
-            fields["event_time"] = int(raw_time)
-        except ValueError:
-            fields["header_error"] = f"event_time header {raw_time!r} is not an integer"
-    return fields
-
-
 def read_partition_range(
-    bootstrap_servers: str,
+    kafka: KafkaConnection,
     topic: str,
     partition: int,
     start: int,
@@ -198,7 +297,7 @@ def read_partition_range(
     """
     from confluent_kafka import KafkaError, TopicPartition
 
-    consumer = make_consumer(bootstrap_servers)
+    consumer = kafka.consumer()
     consumer.assign([TopicPartition(topic, partition, start)])
     rows: dict[str, list] = {name: [] for name in RAW_SCHEMA.names}
     next_offset, last_progress = start, time.monotonic()
@@ -219,10 +318,15 @@ def read_partition_range(
                     break
                 last_progress = time.monotonic()
                 next_offset = offset + 1
-                fields = header_fields(message.headers())
                 _, timestamp = message.timestamp()
-                event_time = fields["event_time"] if fields["event_time"] is not None else timestamp
-                watermark_ms = max(watermark_ms, event_time)
+                try:  # never message.headers(): see message_headers
+                    headers, unreadable = message_headers(message), None
+                except Exception as exc:
+                    headers, unreadable = None, exc
+                fields = header_fields(headers, timestamp, unreadable)
+                event_time = fields["event_time"]
+                if fields["header_error"] is None:  # a dead letter's stand-in time moves no watermark
+                    watermark_ms = max(watermark_ms, event_time)
                 fields.update(
                     partition=partition,
                     offset=offset,
@@ -243,11 +347,11 @@ def read_partition_range(
         consumer.close()
 
 
-def commit_offsets(bootstrap_servers: str, group: str, topic: str, ends: dict[int, int]) -> None:
+def commit_offsets(kafka: KafkaConnection, group: str, topic: str, ends: dict[int, int]) -> None:
     """Commit `ends` as the consumer group's offsets, so Kafka's own lag tools see the ledger."""
     from confluent_kafka import TopicPartition
 
-    client = make_consumer(bootstrap_servers, **{"group.id": group})
+    client = kafka.consumer(**{"group.id": group})
     try:
         client.commit(offsets=[TopicPartition(topic, p, e) for p, e in ends.items()], asynchronous=False)
     finally:

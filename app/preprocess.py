@@ -28,11 +28,14 @@ PREPROCESS_ACTOR_CPUS = 0.5
 
 
 def _decode_or_error(value: bytes) -> np.ndarray | str:
-    """uint8 HWC pixels, or why the bytes are not an image (a dead letter's `error`)."""
+    """uint8 HWC pixels, or why the bytes are not an image (a dead letter's `error`). Never raises:
+    one record's failure, whatever it is, is that record's dead letter, not the batch's."""
     try:
         return decode_pixels(value)
     except BadImage as exc:
         return str(exc)
+    except Exception as exc:  # decode_pixels raises only BadImage; np.array may still run out of memory
+        return f"undecodable image: {type(exc).__name__}: {exc}"
 
 
 def _import_torch_device():
@@ -75,6 +78,8 @@ class Preprocessor:
     def _problem(self, row_value: bytes, label: str | None, header_error: str | None) -> str | None:
         if header_error:
             return header_error
+        if not len(row_value):
+            return "empty value"
         if len(row_value) > self.max_record_bytes:
             return f"record of {len(row_value)} bytes exceeds the {self.max_record_bytes} byte limit"
         if self.classes is not None and label is not None and label not in self.classes:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.config import ProduceConfig, Settings
-from app.kafka import ensure_topics, make_producer, record_headers
+from app.kafka import KafkaConnection, ensure_topics
+from app.records import record_headers
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp"}
 
@@ -32,11 +33,11 @@ class ProduceReport:
         )
 
 
-def produce(settings: Settings, cfg: ProduceConfig, bootstrap_servers: str) -> ProduceReport:
+def produce(settings: Settings, cfg: ProduceConfig, kafka: KafkaConnection) -> ProduceReport:
     """`python -m app produce`: publish synthetic or directory images as CONTRACT.md §1 records."""
-    ensure_topics(bootstrap_servers, [settings.topic, settings.dlq_topic], settings.partitions)
+    ensure_topics(kafka, settings.topic, settings.dlq_topic, settings.partitions, settings.replication_factor)
     records = _synthetic_records(settings, cfg) if cfg.synthetic else _directory_records(cfg.from_dir)
-    producer = make_producer(bootstrap_servers, cfg.linger_ms, cfg.batch_bytes)
+    producer = kafka.producer(cfg.linger_ms, cfg.batch_bytes)
     count = size = 0
     start = time.perf_counter()
     failures: list[BaseException] = []

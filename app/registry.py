@@ -33,7 +33,7 @@ def _mlflow(tracking_uri: str):
 
 
 @contextlib.contextmanager
-def start_run(tracking_uri: str, artifact_root: str | None, run_name: str) -> Iterator:
+def start_run(tracking_uri: str, artifact_root: str, run_name: str) -> Iterator:
     """An MLflow run in the `argus` experiment (artifacts under `artifact_root`), ended on exit."""
     mlflow = _mlflow(tracking_uri)
     with mlflow.start_run(experiment_id=experiment_id(tracking_uri, artifact_root), run_name=run_name) as run:
@@ -75,7 +75,7 @@ def log_run(
         return run.info.run_id
 
 
-def experiment_id(tracking_uri: str, artifact_root: str | None) -> str:
+def experiment_id(tracking_uri: str, artifact_root: str) -> str:
     """The `argus` experiment, created with artifacts beside the storage (not in the cwd)."""
     mlflow = _mlflow(tracking_uri)
     experiment = mlflow.get_experiment_by_name(EXPERIMENT)
@@ -84,8 +84,11 @@ def experiment_id(tracking_uri: str, artifact_root: str | None) -> str:
     return mlflow.create_experiment(EXPERIMENT, artifact_location=artifact_root)
 
 
-def artifact_root(settings) -> str | None:
-    return Path(settings.uri("mlartifacts")).as_uri() if settings.is_local_storage else None
+def artifact_root(settings) -> str:
+    """Artifacts live beside the snapshots: `<storage>/mlartifacts`, on local disk or an object
+    store (MLflow reads S3's endpoint and keys from the environment, as pyarrow does)."""
+    uri = settings.uri("mlartifacts")
+    return Path(uri).as_uri() if settings.is_local_storage else uri
 
 
 @dataclass

@@ -285,7 +285,7 @@ def build_app(args: dict) -> serve.Application:
         ("threads", int),
         ("traffic_dir", str),
     ):
-        if key in options:
+        if options.get(key) is not None:  # None (no traffic log on object storage) stays unset
             kwargs[key] = cast(options[key])
     return ArgusModel.options(num_replicas=replicas).bind(**kwargs)
 

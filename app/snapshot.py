@@ -3,9 +3,13 @@
     <storage>/snapshots/<snapshot_id>/event_date=YYYY-MM-DD/*.parquet + _manifest.json
     <storage>/offsets/<group>.json
 
-A snapshot is the Parquet its manifest lists; the manifests together are the offset ledger, so
-the next ingest starts where the durable snapshots end. Train, federate and drift meet ingest
-here and nowhere else: they read manifests and the rows the manifests list.
+A snapshot is the Parquet its manifest lists. Data files go straight to their final names; the
+manifest, with every file's size and SHA-256, is written last as one object that is never
+overwritten (`commit`): it *is* the commit, on local disk and object stores alike, with no
+directory rename. A folder without a manifest is invisible and is removed by the next writer
+that holds the ingest lease. The manifests together are the offset ledger, so the next ingest
+starts where the committed snapshots end. Train, federate and drift meet ingest here and nowhere
+else: they read manifests and, checked against them, the files the manifests list.
 """
 
 from __future__ import annotations
@@ -16,31 +20,24 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import pyarrow.fs as pafs
 
+from app import storage
 from app.config import IMAGENET_MEAN, IMAGENET_STD, Settings
+from app.storage import filesystem
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "_manifest.json"
 FORMAT = "argus.snapshot.v1"
-STAGING_PREFIX = ".tmp-"
 
 
-def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    """The pyarrow filesystem of a local path or URI (s3://, hdfs://, ...) and the path inside it."""
-    return pafs.FileSystem.from_uri(uri)
-
-
-def atomic_write(fs: pafs.FileSystem, path: str, data: bytes) -> None:
-    """Write then rename, so a reader never sees half a file."""
-    tmp = f"{path}{STAGING_PREFIX}{uuid.uuid4().hex[:8]}"
-    with fs.open_output_stream(tmp) as stream:
-        stream.write(data)
-    fs.move(tmp, path)
+class CorruptSnapshot(RuntimeError):
+    """A data file does not match its manifest (missing, another size, another digest)."""
 
 
 def event_date(ms: int) -> str:
@@ -67,6 +64,8 @@ class PartitionStats:
 
     records: int = 0
     dlq: int = 0
+    skipped: int = 0
+    """Offsets the broker never returned (transaction markers, compacted records)."""
     spans: list[list[int]] = field(default_factory=list)
 
     def add(self, offset: int, dead_letter: bool) -> None:
@@ -74,14 +73,22 @@ class PartitionStats:
             self.dlq += 1
         else:
             self.records += 1
-        if self.spans and self.spans[-1][1] == offset:
-            self.spans[-1][1] = offset + 1  # the usual case: offsets arrive in order
+        self._cover(offset, offset + 1)
+
+    def skip(self, start: int, end: int) -> None:
+        self.skipped += end - start
+        self._cover(start, end)
+
+    def _cover(self, start: int, end: int) -> None:
+        if self.spans and self.spans[-1][1] == start:
+            self.spans[-1][1] = end  # the usual case: offsets arrive in order
         else:
-            self.spans.append([offset, offset + 1])
+            self.spans.append([start, end])
 
     def merge(self, other: PartitionStats) -> None:
         self.records += other.records
         self.dlq += other.dlq
+        self.skipped += other.skipped
         self.spans.extend(list(span) for span in other.spans)
 
     def covers_once(self, start: int, end: int) -> bool:
@@ -94,6 +101,17 @@ class PartitionStats:
         return position == end
 
 
+@dataclass(frozen=True)
+class DataFile:
+    """One Parquet file of a snapshot, as its manifest lists it."""
+
+    path: str
+    """Relative to the snapshot's folder."""
+    size: int | None
+    sha256: str | None
+    """None only in manifests written before digests were recorded."""
+
+
 @dataclass
 class WriteStats:
     """One snapshot write task's accounting; the driver merges them into the manifest."""
@@ -101,7 +119,7 @@ class WriteStats:
     partitions: dict[int, PartitionStats] = field(default_factory=dict)
     labels: Counter = field(default_factory=Counter)
     dlq_errors: Counter = field(default_factory=Counter)
-    files: list[str] = field(default_factory=list)
+    files: list[DataFile] = field(default_factory=list)
     late: int = 0
     value_bytes: int = 0
     event_min: int | None = None
@@ -127,13 +145,19 @@ class WriteStats:
 
 @dataclass(frozen=True)
 class PartitionRange:
-    """One partition's offsets in a snapshot: [start, end), how they split, the event-time watermark."""
+    """One partition's offsets in a snapshot: [start, end), how they split, the event-time watermark.
+
+    records + dlq + skipped + lost = end - start."""
 
     start: int
     end: int
     records: int
     dlq: int
     watermark: int | None = None
+    skipped: int = 0
+    """Offsets the broker never returned: transaction markers, compacted records."""
+    lost: int = 0
+    """[start, start + lost): deleted by retention before any ingest read them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,16 +181,19 @@ class Manifest:
     event_time: dict
     """{min, max, late_records, allowed_lateness_s}."""
     value_bytes: int
-    files: list[str]
-    """Data files relative to the snapshot's folder."""
+    files: list[DataFile]
     format: str = FORMAT
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
+        """Parse and check a stored manifest; ValueError (or KeyError/TypeError) when it is not one."""
         data = json.loads(text)
+        if data.get("format") != FORMAT:
+            raise ValueError(f"format {data.get('format')!r} is not {FORMAT}")
         offsets = {int(p): PartitionRange(**entry) for p, entry in data.pop("offsets").items()}
+        files = [DataFile(f, None, None) if isinstance(f, str) else DataFile(**f) for f in data.pop("files")]
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(offsets=offsets, **{k: v for k, v in data.items() if k in names})
+        return cls(offsets=offsets, files=files, **{k: v for k, v in data.items() if k in names})
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
@@ -191,12 +218,16 @@ def build_manifest(
     features: str | None,
     features_weights: str | None,
     allowed_lateness_s: float,
+    lost: dict[int, int] | None = None,
 ) -> Manifest:
     """The manifest of a finished write, after proving every offset of every range landed once.
 
-    Every offset must be in the Parquet files or the DLQ exactly once; anything else fails the run
-    before a snapshot becomes visible or an offset is committed.
+    Every offset read must be in the Parquet files or the DLQ exactly once, or be one the broker
+    declared skipped; anything else fails the run before a snapshot becomes visible or an offset is
+    committed. `lost[p]` offsets before a range's start were deleted by retention unread: the
+    partition's entry starts that much earlier, so the ledger stays contiguous and says so.
     """
+    lost = lost or {}
     offsets = {}
     for p, (start, end) in sorted(ranges.items()):
         seen = stats.partitions.get(p, PartitionStats())
@@ -208,7 +239,8 @@ def build_manifest(
                 "nothing committed"
             )
         watermark = max(previous_watermarks.get(p, 0), stats.event_max or 0)
-        offsets[p] = PartitionRange(start, end, seen.records, seen.dlq, watermark)
+        gone = lost.get(p, 0)
+        offsets[p] = PartitionRange(start - gone, end, seen.records, seen.dlq, watermark, seen.skipped, gone)
     return Manifest(
         snapshot_id=snapshot_id,
         topic=settings.topic,
@@ -231,7 +263,7 @@ def build_manifest(
             "allowed_lateness_s": allowed_lateness_s,
         },
         value_bytes=stats.value_bytes,
-        files=sorted(stats.files),
+        files=sorted(stats.files, key=lambda f: f.path),
     )
 
 
@@ -250,8 +282,20 @@ def read_manifest(settings: Settings, snapshot_id: str) -> Manifest:
     return read_manifest_at(snapshot_uri(settings, snapshot_id))
 
 
-def list_manifests(settings: Settings) -> list[Manifest]:
-    """Durable snapshots' manifests, oldest first (ids sort by creation time)."""
+def commit(settings: Settings, manifest: Manifest) -> bool:
+    """Publish the snapshot: write its manifest only if none exists. False if one already did."""
+    return storage.write_new(
+        f"{snapshot_uri(settings, manifest.snapshot_id)}/{MANIFEST}", manifest.to_json().encode()
+    )
+
+
+def list_manifests(settings: Settings, *, quarantine: bool = False) -> list[Manifest]:
+    """Committed snapshots' manifests, oldest first (ids sort by creation time).
+
+    A manifest that does not parse is skipped with a warning; with `quarantine` (only the lease
+    holder mutates storage) it is moved to `<storage>/quarantine/`, which leaves its folder
+    uncommitted: the next cleanup removes the folder and its offsets are ingested again.
+    """
     fs, root = filesystem(settings.uri("snapshots"))
     manifests = []
     infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
@@ -259,11 +303,65 @@ def list_manifests(settings: Settings) -> list[Manifest]:
         if info.type != pafs.FileType.Directory or info.base_name.startswith("."):
             continue
         try:
-            with fs.open_input_stream(f"{info.path}/{MANIFEST}") as stream:
-                manifests.append(Manifest.from_json(stream.read()))
+            raw = storage.read_file(fs, f"{info.path}/{MANIFEST}")
         except FileNotFoundError:
-            log.warning("snapshot dir %s has no manifest; ignoring it", info.path)
+            continue  # being written, or abandoned by a writer that died: not a snapshot
+        try:
+            manifests.append(Manifest.from_json(raw))
+        except (ValueError, KeyError, TypeError) as exc:
+            action = "moved to quarantine/" if quarantine else "skipped"
+            log.warning(
+                "snapshot %s: corrupt manifest (%s: %s); %s", info.base_name, type(exc).__name__, exc, action
+            )
+            if quarantine:
+                _quarantine(settings, info.base_name, raw)
     return manifests
+
+
+def _quarantine(settings: Settings, snapshot_id: str, raw: bytes) -> None:
+    fs, path = filesystem(settings.uri("quarantine", f"{snapshot_id}-{uuid.uuid4().hex[:6]}{MANIFEST}"))
+    storage.write_file(fs, path, raw)
+    snapshot_fs, manifest_path = filesystem(f"{snapshot_uri(settings, snapshot_id)}/{MANIFEST}")
+    snapshot_fs.delete_file(manifest_path)
+
+
+def remove_uncommitted(settings: Settings) -> list[str]:
+    """Delete snapshot folders without a manifest; call only while holding the ingest lease (any
+    other writer's lease has then expired, so such a folder's writer is gone). Returns their names."""
+    fs, root = filesystem(settings.uri("snapshots"))
+    removed = []
+    for info in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True)):
+        if info.type == pafs.FileType.Directory and not storage.exists(fs, f"{info.path}/{MANIFEST}"):
+            log.warning("removing %s: written by an ingest that never committed it", info.path)
+            fs.delete_dir(info.path)
+            removed.append(info.base_name)
+    return removed
+
+
+def data_file_uris(settings: Settings, manifests: Iterable[Manifest], *, verify: bool = True) -> list[str]:
+    """Every data file the manifests list, as URIs; with `verify`, each is read and its size and
+    SHA-256 checked against the manifest first (CorruptSnapshot otherwise)."""
+    uris = [f"{snapshot_uri(settings, m.snapshot_id)}/{f.path}" for m in manifests for f in m.files]
+    if verify:
+        files = [f for m in manifests for f in m.files]
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(verify_file, uris, files))
+    return uris
+
+
+def verify_file(uri: str, expected: DataFile, data: bytes | None = None) -> bytes:
+    """The file's bytes, after checking them against the manifest's size and digest."""
+    if data is None:
+        fs, path = filesystem(uri)
+        try:
+            data = storage.read_file(fs, path)
+        except FileNotFoundError:
+            raise CorruptSnapshot(f"{uri}: listed in its manifest but missing") from None
+    if expected.size is not None and len(data) != expected.size:
+        raise CorruptSnapshot(f"{uri}: {len(data)} bytes, its manifest says {expected.size}")
+    if expected.sha256 is not None and storage.sha256(data) != expected.sha256:
+        raise CorruptSnapshot(f"{uri}: SHA-256 differs from its manifest's")
+    return data
 
 
 def ledger_offsets(manifests: Iterable[Manifest], topic: str) -> tuple[dict[int, int], dict[int, int]]:
@@ -283,18 +381,8 @@ def ledger_offsets(manifests: Iterable[Manifest], topic: str) -> tuple[dict[int,
 def write_offsets_file(settings: Settings, group: str, ends: dict[int, int]) -> None:
     """`<storage>/offsets/<group>.json`: the ledger's ends, for tools that do not read manifests."""
     fs, path = filesystem(settings.uri("offsets", f"{group}.json"))
-    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
     body = {"topic": settings.topic, "offsets": {str(p): e for p, e in ends.items()}}
-    atomic_write(fs, path, json.dumps(body, indent=2).encode())
-
-
-def clean_staging(fs: pafs.FileSystem, snapshots_root: str) -> None:
-    for info in fs.get_file_info(pafs.FileSelector(snapshots_root, allow_not_found=True)):
-        if info.base_name.startswith(STAGING_PREFIX):
-            log.warning(
-                "removing %s left by an interrupted ingest (its offsets were never committed)", info.path
-            )
-            fs.delete_dir(info.path)
+    storage.write_file(fs, path, json.dumps(body, indent=2).encode())
 
 
 def select_snapshots(settings: Settings, wanted: tuple[str, ...] | None) -> list[Manifest]:
@@ -324,16 +412,15 @@ def discover_classes(manifests: Iterable[Manifest], configured: tuple[str, ...] 
 
 
 def read_rows(snapshot_uris: Iterable[str], columns: list[str], row_filter=None):
-    """Selected columns of the files the snapshots' manifests list, as one Arrow table."""
+    """Selected columns of the files the snapshots' manifests list, each checked against its
+    manifest as it is read, as one Arrow table."""
     import pyarrow as pa
-    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
     import ray.data  # noqa: F401  (registers Ray's tensor extension type for the image column)
 
     tables = []
     for uri in snapshot_uris:
-        fs, root = filesystem(uri)
-        files = [f"{root}/{name}" for name in read_manifest_at(uri).files]
-        tables.append(
-            ds.dataset(files, format="parquet", filesystem=fs).to_table(columns=columns, filter=row_filter)
-        )
+        for listed in read_manifest_at(uri).files:
+            data = verify_file(f"{uri}/{listed.path}", listed)
+            tables.append(pq.read_table(pa.BufferReader(data), columns=columns, filters=row_filter))
     return pa.concat_tables(tables)

@@ -27,7 +27,7 @@ from app import metrics as dashboard
 from app import model as core
 from app import registry
 from app.config import Settings, TrainConfig
-from app.snapshot import Manifest, discover_classes, select_snapshots, snapshot_uri
+from app.snapshot import Manifest, data_file_uris, discover_classes, select_snapshots
 from app.transform import augment, encode_labels
 
 if TYPE_CHECKING:
@@ -253,7 +253,7 @@ def build_datasets(
     import ray.data
 
     ray.data.DataContext.get_current().execution_options.preserve_order = True  # reproducible shards
-    paths = [snapshot_uri(settings, m.snapshot_id) for m in manifests]
+    paths = data_file_uris(settings, manifests)  # only the files the manifests list, checked
     column = "features" if features else "image"
     read_args = {"file_extensions": ["parquet"], "ray_remote_args": {"num_cpus": 0.25}}
     times = ray.data.read_parquet(paths, columns=["event_time", "label"], **read_args).to_pandas()

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from app.config import IMAGENET_MEAN, IMAGENET_STD
 
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 MAX_IMAGE_PIXELS = 40_000_000
 """Decompression-bomb guard: larger declared images are rejected before decoding."""
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP")
+"""The formats CONTRACT.md §1 declares: Pillow tries only these (not its ~45 others) to open a value."""
 
 
 class BadImage(ValueError):
@@ -29,11 +31,16 @@ class BadImage(ValueError):
 
 
 def decode_image(value: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
-    """Decode JPEG/PNG/WebP bytes to RGB, checking the declared size before decoding pixels."""
+    """Decode JPEG/PNG/WebP bytes to RGB, checking the declared size before decoding pixels.
+
+    Raises BadImage, and only BadImage, for any bytes: other formats, and whatever Pillow raises on
+    malformed data (besides OSError: ValueError, SyntaxError, IndexError, struct.error, EOFError,
+    KeyError, MemoryError, DecompressionBombError…), so one value never fails a batch or a request.
+    """
     if not value:
         raise BadImage("empty image")
     try:
-        image = Image.open(io.BytesIO(value))
+        image = Image.open(io.BytesIO(value), formats=IMAGE_FORMATS)
         width, height = image.size
         if width * height > max_pixels:
             raise BadImage(f"image of {width}x{height} pixels exceeds the {max_pixels} pixel limit")
@@ -41,8 +48,10 @@ def decode_image(value: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Imag
         return image.convert("RGB")
     except BadImage:
         raise
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        raise BadImage(f"undecodable image: {exc}") from exc
+    except UnidentifiedImageError as exc:
+        raise BadImage("undecodable image: not a JPEG, PNG or WebP image") from exc
+    except Exception as exc:
+        raise BadImage(f"undecodable image: {type(exc).__name__}: {exc}") from exc
 
 
 def normalize(images: Sequence[np.ndarray], size: int, device: str | torch.device = "cpu") -> torch.Tensor:

@@ -19,7 +19,7 @@ from pathlib import Path
 from app import metrics
 from app.config import ConfigError, IngestConfig, Settings
 from app.ingest import ingest
-from app.kafka import make_consumer, partitions_of, probe_end_offsets
+from app.kafka import KafkaConnection, partitions_of, probe_end_offsets
 from app.snapshot import ledger_offsets, list_manifests
 
 log = logging.getLogger(__name__)
@@ -53,18 +53,18 @@ class Lag:
         return sum(self.records.values())
 
 
-def measure_lag(settings: Settings, bootstrap_servers: str) -> Lag:
+def measure_lag(settings: Settings, kafka: KafkaConnection) -> Lag:
     """Records behind the proven end of each partition, and the age of the oldest of them."""
     from confluent_kafka import TopicPartition
 
     starts, _ = ledger_offsets(list_manifests(settings), settings.topic)
-    partitions = partitions_of(bootstrap_servers, settings.topic)
-    ends = probe_end_offsets(bootstrap_servers, settings.topic, partitions)
+    partitions = partitions_of(kafka, settings.topic)
+    ends = probe_end_offsets(kafka, settings.topic, partitions)
     behind = {p: max(0, ends[p] - starts.get(p, 0)) for p in partitions}
     oldest_ms = None
     pending = [TopicPartition(settings.topic, p, starts.get(p, 0)) for p in partitions if behind[p]]
     if pending:
-        consumer = make_consumer(bootstrap_servers)
+        consumer = kafka.consumer()
         try:
             consumer.assign(pending)
             seen: set[int] = set()
@@ -86,14 +86,14 @@ def watch(
     settings: Settings,
     cfg: WatchConfig,
     ingest_cfg: IngestConfig,
-    bootstrap_servers: str,
+    kafka: KafkaConnection,
     stop: threading.Event | None = None,
 ) -> int:
     """Run ticks until `stop` is set or `max_ticks` ran; return the number of alerts raised."""
     stop = stop or threading.Event()
     alerts = ticks = 0
     while not stop.is_set():
-        lag = measure_lag(settings, bootstrap_servers)
+        lag = measure_lag(settings, kafka)
         for partition, records in lag.records.items():
             metrics.set_gauge(
                 "argus_consumer_lag_records", records, topic=settings.topic, partition=partition
@@ -113,7 +113,7 @@ def watch(
         if paused:
             log.info("paused by %s: %d records waiting", cfg.pause_file, lag.total)
         elif lag.total:
-            log.info("%s", ingest(settings, ingest_cfg, bootstrap_servers))
+            log.info("%s", ingest(settings, ingest_cfg, kafka))
         ticks += 1
         if cfg.max_ticks is not None and ticks >= cfg.max_ticks:
             break

@@ -91,10 +91,12 @@ def synthetic_pool(unique: int, size: int, seed: int = 0) -> list:
 
 def produce_records(bootstrap: str, topic: str, n: int, pool: list, partitions: int = 4) -> float:
     """Publish n records cycling through `pool` with Argus's own producer; returns seconds."""
-    from app.kafka import ensure_topics, make_producer, record_headers
+    from app.kafka import KafkaConnection, ensure_topics
+    from app.records import record_headers
 
-    ensure_topics(bootstrap, [topic, f"{topic}.dlq"], partitions)
-    producer = make_producer(bootstrap)
+    kafka = KafkaConnection(bootstrap)
+    ensure_topics(kafka, topic, f"{topic}.dlq", partitions)
+    producer = kafka.producer()
     started = time.perf_counter()
     failures: list = []
     try:

@@ -20,17 +20,24 @@
 3. memory: `python -m app ingest --image-size 32` in a child process over a topic of S and of L
    records (32 px synthetic images), peak PSS summed over the whole process tree (driver, GCS,
    raylet, Ray workers), alternating S and L. Goal L/S ≤ 1.2× (it streams).
+4. storage: one whole `ingest()` of the same topic into local disk and into S3 (`--storage
+   s3://…` with AWS_ENDPOINT_URL and keys set, else a moto server started here), alternating;
+   records/s of each and the ratio. Against moto the ratio bounds Argus's own S3 overhead only
+   loosely: the server is Python, in this process, on the same 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
+import logging
 import os
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 
 import _common as common
 from _common import ROOT, alternate, goal_line, median_of, print_table
@@ -49,15 +56,14 @@ def ray_read(bootstrap: str, topic: str, partitions: list[int], records_per_bloc
     import pyarrow.compute as pc
 
     from app.ingest import KafkaRangeDatasource, read_ranges, streaming_blocks
-    from app.kafka import probe_end_offsets
+    from app.kafka import KafkaConnection, probe_end_offsets
 
     started = time.perf_counter()
-    ends = probe_end_offsets(bootstrap, topic, partitions)
+    kafka = KafkaConnection(bootstrap)
+    ends = probe_end_offsets(kafka, topic, partitions)
     ranges = {p: (0, e) for p, e in ends.items() if e > 0}
     with streaming_blocks():
-        dataset = read_ranges(
-            KafkaRangeDatasource(bootstrap, topic, ranges, records_per_block, {}, 3_600_000)
-        )
+        dataset = read_ranges(KafkaRangeDatasource(kafka, topic, ranges, records_per_block, {}, 3_600_000))
     rows = size = 0
     for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow"):
         rows += batch.num_rows
@@ -108,12 +114,15 @@ def app_reader_in_process(
     """Diagnosis: the app's read_partition_range (Arrow blocks, headers parsed) without Ray."""
     import pyarrow.compute as pc
 
-    from app.kafka import read_partition_range
+    from app.kafka import KafkaConnection, read_partition_range
 
     started = time.perf_counter()
     rows = size = 0
     for p, (start, end) in sorted(ranges.items()):
-        for table in read_partition_range(bootstrap, topic, p, start, end, records_per_block, 0, 3_600_000):
+        reader = read_partition_range(
+            KafkaConnection(bootstrap), topic, p, start, end, records_per_block, 0, 3_600_000
+        )
+        for table in reader:
             rows += table.num_rows
             size += pc.sum(pc.binary_length(table["value"])).as_py() or 0
     return _rate(rows, size, time.perf_counter() - started)
@@ -304,6 +313,79 @@ def ingest_child(bootstrap: str, topic: str, storage: str) -> dict:
     }
 
 
+# ---------------------------------------------------------------- 4. storage: local disk vs S3
+
+
+def ingest_into(bootstrap: str, topic: str, storage: str) -> dict:
+    """One whole `ingest()` of the topic into an empty storage (this process's Ray)."""
+    from app.config import IngestConfig, Settings
+    from app.ingest import ingest
+    from app.kafka import KafkaConnection
+
+    settings = Settings(topic=topic, storage=storage, image_size=32, model="cnn", partitions=4)
+    started = time.perf_counter()
+    report = ingest(settings, IngestConfig(), KafkaConnection(bootstrap))
+    seconds = time.perf_counter() - started
+    return {
+        "seconds": seconds,
+        "records_per_s": (report.records + report.dlq) / seconds,
+        "files": report.records,
+    }
+
+
+@contextlib.contextmanager
+def s3_storage(uri: str | None) -> Iterator[str]:
+    """`uri` as given (AWS_ENDPOINT_URL and keys from the environment), or, without one, a bucket
+    on a moto S3 server started here on 127.0.0.1."""
+    if uri:
+        yield uri.rstrip("/")
+        return
+    from moto.server import ThreadedMotoServer
+
+    from app.broker import free_port
+    from app.storage import s3_client
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per S3 request
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    os.environ.update(
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_REGION="us-east-1",
+    )
+    try:
+        s3_client().create_bucket(Bucket="argus-bench")
+        yield "s3://argus-bench/ingest"
+    finally:
+        server.stop()
+
+
+def storage_part(args, bootstrap: str, tmp, s3_root: str, tables: list, goals: list) -> None:
+    """The same topic ingested into local disk and into S3, alternating: the S3 commit path (data
+    files straight to their keys, the manifest by conditional put, the lease) against local disk."""
+    topic = f"bench-storage-{uuid.uuid4().hex[:6]}"
+    pool32 = common.synthetic_pool(500, 32, seed=5)
+    common.produce_records(bootstrap, topic, args.storage_records, pool32)
+    print(f"\n== storage: ingest of {args.storage_records} records (32 px) into local disk vs S3")
+    runs = alternate(
+        {
+            "local disk": lambda: ingest_into(bootstrap, topic, str(tmp / f"local-{uuid.uuid4().hex[:6]}")),
+            "S3": lambda: ingest_into(bootstrap, topic, f"{s3_root}/{uuid.uuid4().hex[:6]}"),
+        },
+        args.repeats,
+        "storage",
+    )
+    rows = [[name, median_of(r, "records_per_s"), median_of(r, "seconds")] for name, r in runs.items()]
+    tables.append(
+        (f"storage: whole ingest, median of {args.repeats}", ["storage", "records/s", "wall s"], rows)
+    )
+    ratio = median_of(runs["S3"], "records_per_s") / median_of(runs["local disk"], "records_per_s")
+    where = "the given endpoint" if args.storage else "moto, a Python S3 server sharing these 2 cores"
+    goals.append(f"ingest into S3 vs local disk: {ratio:.2f}× (info; S3 is {where})")
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -326,7 +408,14 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="rounds of the read and preprocess runs")
     parser.add_argument("--mem-repeats", type=int, default=2, help="rounds of the memory runs")
     parser.add_argument("--records-per-block", type=int, default=512)
-    parser.add_argument("--skip", default="", help="comma list of parts to skip: read,preprocess,memory")
+    parser.add_argument(
+        "--skip", default="", help="comma list of parts to skip: read,preprocess,memory,storage"
+    )
+    parser.add_argument(
+        "--storage",
+        help="s3:// URI for the storage part (endpoint and keys from AWS_*; default: a moto server)",
+    )
+    parser.add_argument("--storage-records", type=int, default=5000, help="records for the storage part")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     small, large = (
@@ -336,7 +425,12 @@ def main() -> int:
     goals: list[str] = []
     tables: list[tuple] = []
 
-    with common.scratch_dir("argus-bench-ingest-") as tmp, common.embedded_broker(tmp) as bootstrap:
+    # The S3 server's environment must be set before Ray starts, so its workers inherit it.
+    with (
+        common.scratch_dir("argus-bench-ingest-") as tmp,
+        common.embedded_broker(tmp) as bootstrap,
+        s3_storage(args.storage) as s3_root,
+    ):
         if "memory" not in skip:
             # First, before this process holds a Ray: the children start their own.
             print(
@@ -419,10 +513,11 @@ def main() -> int:
                 pool = common.synthetic_pool(min(args.records, 1000), args.source_size, seed=1)
                 seconds = common.produce_records(bootstrap, topic, args.records, pool)
                 print(f"  produced {args.records} records in {seconds:.1f}s")
-                from app.kafka import partitions_of, probe_end_offsets
+                from app.kafka import KafkaConnection, partitions_of, probe_end_offsets
 
-                partitions = partitions_of(bootstrap, topic)
-                ranges = {p: (0, e) for p, e in probe_end_offsets(bootstrap, topic, partitions).items()}
+                kafka = KafkaConnection(bootstrap)
+                partitions = partitions_of(kafka, topic)
+                ranges = {p: (0, e) for p, e in probe_end_offsets(kafka, topic, partitions).items()}
                 rpb = args.records_per_block
                 ray_read(bootstrap, topic, partitions, rpb)  # warm Ray's workers and imports once
                 read = alternate(
@@ -517,6 +612,9 @@ def main() -> int:
                         note=f"(busy-window {busy:.2f}×; 1 actor × 2 threads {one_actor:.2f}×)",
                     )
                 )
+
+            if "storage" not in skip:
+                storage_part(args, bootstrap, tmp, s3_root, tables, goals)
 
     print("\n== summary")
     for title, header, rows in tables:

@@ -169,7 +169,7 @@ def full_path(args, tmp: Path) -> dict:
         )
         pool = common.synthetic_pool(600, args.image_size, seed=4)
         common.produce_records(bootstrap, settings.topic, args.full_path_records, pool, partitions=2)
-        print(f"  {ingest(settings, IngestConfig(), bootstrap)}")
+        print(f"  {ingest(settings, IngestConfig(), settings.kafka_connection())}")
         report = train(
             settings,
             TrainConfig(

@@ -3,6 +3,7 @@ gets its own topic and storage dir, so tests never see each other's records."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -28,7 +29,42 @@ def broker(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def s3_endpoint():
+    """A real S3 API server (moto) on 127.0.0.1, configured the standard way: AWS_ENDPOINT_URL,
+    keys and region in the environment, which pyarrow, boto3 and MLflow all read. Set before Ray
+    starts, so Ray's workers (ingest tasks, training workers, Serve replicas) inherit it too."""
+    from moto.server import ThreadedMotoServer
+
+    from app.broker import free_port
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per S3 request
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    os.environ.update(
+        AWS_ENDPOINT_URL=url,
+        AWS_ACCESS_KEY_ID="argus-test",
+        AWS_SECRET_ACCESS_KEY="argus-test",
+        AWS_REGION="us-east-1",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    yield url
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint) -> str:
+    """A fresh bucket on the S3 server; returns its name."""
+    from app.storage import s3_client
+
+    name = f"argus-{uuid.uuid4().hex[:10]}"
+    s3_client().create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(s3_endpoint):
     """A local Ray sized like CI's machine; Ray Train's helpers and Serve share it. Yields the
     port of its Prometheus metrics endpoint."""
     import ray
@@ -132,6 +168,7 @@ def child_env(**overrides: str) -> dict[str, str]:
         if k
         not in (
             "KAFKA_BOOTSTRAP_SERVERS",
+            "KAFKA_CONFIG",
             "ARGUS_TOPIC",
             "ARGUS_STORAGE",
             "MLFLOW_TRACKING_URI",
@@ -201,10 +238,75 @@ def trained(tmp_path_factory, broker, ray_cluster):
     produce(
         settings,
         ProduceConfig(synthetic=480, seed=5, source_image_size=TEST_IMAGE_SIZE, corrupt_fraction=0.02),
-        broker,
+        settings.kafka_connection(),
     )
-    snapshot = ingest(settings, IngestConfig(), broker)
+    snapshot = ingest(settings, IngestConfig(), settings.kafka_connection())
     train_config = TrainConfig(epochs=3, num_workers=2, batch_size=32, lr=3e-3, seed=11, max_failures=0)
     with MetricsWatcher(ray_cluster, *TRAIN_GAUGES) as watcher:
         report = train(settings, train_config)
     return Trained(settings, snapshot, train_config, report, watcher.seen)
+
+
+def make_tls_files(directory: Path) -> dict[str, Path]:
+    """A CA, a server certificate it signed for 127.0.0.1 and localhost (with its key), and an
+    unrelated CA, as PEM files in `directory`: `ca`, `server_cert`, `server_key`, `wrong_ca`."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def certificate(subject: str, key, issuer: x509.Name, signer, extensions) -> x509.Certificate:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
+        for extension, critical in extensions:
+            builder = builder.add_extension(extension, critical=critical)
+        return builder.sign(signer, hashes.SHA256())
+
+    def authority(name: str) -> tuple:
+        key = ec.generate_private_key(ec.SECP256R1())
+        issuer = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        return key, certificate(
+            name, key, issuer, key, [(x509.BasicConstraints(ca=True, path_length=0), True)]
+        )
+
+    ca_key, ca = authority("Argus test CA")
+    _, wrong_ca = authority("Some other CA")
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    server = certificate(
+        "localhost",
+        server_key,
+        ca.subject,
+        ca_key,
+        [
+            (x509.SubjectAlternativeName(names), False),
+            (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False),
+        ],
+    )
+    pem = serialization.Encoding.PEM
+    files = {
+        "ca": ca.public_bytes(pem),
+        "wrong_ca": wrong_ca.public_bytes(pem),
+        "server_cert": server.public_bytes(pem),
+        "server_key": server_key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ),
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, content in files.items():
+        paths[name] = directory / f"{name}.pem"
+        paths[name].write_bytes(content)
+    return paths

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load, save
 from torch import nn
 
-from app.snapshot import filesystem
+from app.storage import filesystem, write_file
 
 log = logging.getLogger(__name__)
 
@@ -20,11 +20,9 @@ def save_checkpoint(root_uri: str, server_round: int, model: nn.Module, meta: di
     """round-NNNNN/{model.safetensors, state.json}; state.json goes last, so it marks completion."""
     fs, root = filesystem(root_uri)
     directory = f"{root}/round-{server_round:05d}"
-    fs.create_dir(directory, recursive=True)
-    with fs.open_output_stream(f"{directory}/model.safetensors") as stream:
-        stream.write(save({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}))
-    with fs.open_output_stream(f"{directory}/state.json") as stream:
-        stream.write(json.dumps(meta, indent=1).encode())
+    weights = save({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
+    write_file(fs, f"{directory}/model.safetensors", weights)
+    write_file(fs, f"{directory}/state.json", json.dumps(meta, indent=1).encode())
     rounds = sorted(
         i.base_name for i in fs.get_file_info(pafs.FileSelector(root)) if i.base_name.startswith("round-")
     )

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
@@ -18,12 +20,12 @@ from PIL import Image
 from app import synth
 from app.config import IngestConfig, ProduceConfig
 from app.ingest import ingest
-from app.kafka import SCHEMA_VERSION, make_producer, record_headers
 from app.produce import produce
+from app.records import SCHEMA_VERSION, record_headers
 from app.snapshot import MANIFEST, list_manifests, snapshot_uri
 from app.transform import preprocess
 
-from conftest import run_cli, settings_args
+from conftest import ROOT, child_env, run_cli, settings_args
 
 
 def consume_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 30) -> list:
@@ -54,7 +56,7 @@ def snapshot_rows(settings, snapshot_id: str) -> list[dict]:
 
 def send(settings, records) -> list[tuple[int, int]]:
     """Publish (key, value, label, event_time) through a batching producer; return (partition, offset)s."""
-    producer = make_producer(settings.bootstrap_servers, linger_ms=50)
+    producer = settings.kafka_connection().producer(linger_ms=50)
     futures = [
         producer.send(
             settings.topic, key=key.encode(), value=value, headers=record_headers(label, event_time, "dev-1")
@@ -77,7 +79,7 @@ def test_produce_synthetic_follows_the_contract(settings):
     report = produce(
         settings,
         ProduceConfig(synthetic=40, corrupt_fraction=0.0, source_image_size=32),
-        settings.bootstrap_servers,
+        settings.kafka_connection(),
     )
     assert report.records == 40 and report.bytes > 0
     records = consume_all(settings.bootstrap_servers, settings.topic, 40)
@@ -123,7 +125,7 @@ def test_ingest_is_exact_and_resumable(settings, ray_cluster):
     good, bad = set(coordinates[:61]), set(coordinates[61:])
 
     cfg = IngestConfig(max_record_bytes=4096, allowed_lateness_s=3600)
-    first = ingest(settings, cfg, settings.bootstrap_servers)
+    first = ingest(settings, cfg, settings.kafka_connection())
     assert first.snapshot_id and first.records == 61 and first.dlq == 11
     rows = snapshot_rows(settings, first.snapshot_id)
     assert {(r["partition"], r["offset"]) for r in rows} == good and len(rows) == 61
@@ -150,12 +152,12 @@ def test_ingest_is_exact_and_resumable(settings, ray_cluster):
     errors = Counter(dict(d.headers)["error"].decode().split(":")[0].split(" ")[0] for d in dead)
     assert errors == {"undecodable": 5, "unknown": 5, "record": 1}
 
-    again = ingest(settings, cfg, settings.bootstrap_servers)
+    again = ingest(settings, cfg, settings.kafka_connection())
     assert again.snapshot_id is None and "nothing new" in str(again)
     assert len(list_manifests(settings)) == 1
 
     more = send(settings, valid_records(20, seed=2))
-    second = ingest(settings, cfg, settings.bootstrap_servers)
+    second = ingest(settings, cfg, settings.kafka_connection())
     assert second.records == 20 and second.dlq == 0
     assert {(r["partition"], r["offset"]) for r in snapshot_rows(settings, second.snapshot_id)} == set(more)
 
@@ -166,10 +168,12 @@ def test_ingest_is_exact_and_resumable(settings, ray_cluster):
     committed.close()
 
 
-@pytest.mark.parametrize("fault", ["after_write", "before_commit"])
+@pytest.mark.parametrize("fault", ["after_write", "before_manifest", "before_commit"])
 def test_ingest_killed_then_rerun_loses_and_duplicates_nothing(settings, ray_cluster, fault):
+    import ray
+
     coordinates = send(settings, valid_records(30, seed=3))
-    args = ["ingest", *settings_args(settings)]
+    args = ["ingest", *settings_args(settings), "--ray-address", ray.get_runtime_context().gcs_address]
     killed = run_cli(*args, env={"ARGUS_FAULT": fault})
     assert killed.returncode == 137, killed.stderr[-2000:]
     rerun = run_cli(*args)
@@ -189,7 +193,7 @@ def test_ingest_with_use_gpu_puts_the_preprocessing_actors_on_gpus(settings, ray
     from app.preprocess import Preprocessor, preprocess_batches
 
     coordinates = send(settings, valid_records(20, seed=4))
-    report = ingest(settings, IngestConfig(use_gpu=True), settings.bootstrap_servers)
+    report = ingest(settings, IngestConfig(use_gpu=True), settings.kafka_connection())
     assert report.records == 20
     rows = snapshot_rows(settings, report.snapshot_id)
     assert {(r["partition"], r["offset"]) for r in rows} == set(coordinates)
@@ -201,3 +205,48 @@ def test_ingest_with_use_gpu_puts_the_preprocessing_actors_on_gpus(settings, ray
 
     probe = preprocess_batches(ray.data.range(8), settings, IngestConfig(use_gpu=True), ResourceProbe)
     assert {row["held"] for row in probe.take_all()} == {json.dumps({"GPU": 1.0})}
+
+
+def test_one_writer_at_a_time_the_other_says_so_and_writes_nothing(settings, ray_cluster):
+    import ray
+
+    from app.ingest import ingest_lease
+
+    coordinates = send(settings, valid_records(40, seed=6))
+    args = ["ingest", *settings_args(settings), "--ray-address", ray.get_runtime_context().gcs_address]
+    with ingest_lease(settings, IngestConfig()).held():  # a writer that is mid-way
+        held = run_cli(*args)
+    assert held.returncode == 0, held.stderr[-2000:]
+    assert held.stdout.strip().startswith("another ingest is writing") and len(held.stdout.splitlines()) == 1
+    assert not list_manifests(settings)
+    assert not list((settings.local_storage_path / "snapshots").glob("**/*.parquet"))
+
+    # Two started together: whichever loses writes nothing, and every offset lands exactly once.
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "app", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(PYTHONPATH=str(ROOT)),
+            cwd=ROOT,
+        )
+        for _ in range(2)
+    ]
+    outputs = [racer.communicate(timeout=300) for racer in racers]
+    assert [racer.returncode for racer in racers] == [0, 0], [err[-2000:] for _, err in outputs]
+    firsts = sorted(out.strip().split(":")[0].split(" ")[0] for out, _ in outputs)
+    assert firsts in (["another", "snapshot"], ["nothing", "snapshot"]), outputs
+    rows = [row for m in list_manifests(settings) for row in snapshot_rows(settings, m.snapshot_id)]
+    assert sorted((r["partition"], r["offset"]) for r in rows) == sorted(coordinates)
+
+
+def test_a_snapshot_committed_meanwhile_over_the_same_offsets_aborts_the_commit(settings, ray_cluster):
+    from app.ingest import check_no_overlap
+
+    send(settings, valid_records(10, seed=8))
+    first = ingest(settings, IngestConfig(), settings.kafka_connection())
+    check_no_overlap(settings, {p: (end, end + 5) for p, (_, end) in first.offsets.items()})  # after it: fine
+    partition, (start, end) = next(iter(first.offsets.items()))
+    with pytest.raises(RuntimeError, match=f"snapshot {first.snapshot_id} was committed meanwhile"):
+        check_no_overlap(settings, {partition: (end - 1, end + 3)})

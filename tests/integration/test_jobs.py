@@ -134,7 +134,11 @@ def test_ingest_and_train_as_jobs_then_a_retraining_job(head_node, broker, tmp_p
         model="cnn",
         partitions=2,
     )
-    produce(settings, ProduceConfig(synthetic=240, seed=8, source_image_size=TEST_IMAGE_SIZE), broker)
+    produce(
+        settings,
+        ProduceConfig(synthetic=240, seed=8, source_image_size=TEST_IMAGE_SIZE),
+        settings.kafka_connection(),
+    )
     common = [
         "--bootstrap-servers",
         broker,

@@ -117,9 +117,9 @@ def test_feature_snapshot_trains_a_head_that_serves_images(settings, ray_cluster
     produce(
         settings,
         ProduceConfig(synthetic=96, seed=4, source_image_size=32, corrupt_fraction=0),
-        settings.bootstrap_servers,
+        settings.kafka_connection(),
     )
-    snapshot = ingest(settings, IngestConfig(features="resnet50"), settings.bootstrap_servers)
+    snapshot = ingest(settings, IngestConfig(features="resnet50"), settings.kafka_connection())
     report = train(settings, TrainConfig(epochs=1, num_workers=2, batch_size=16, max_failures=0))
     loaded = registry.load(settings.tracking_uri, settings.model_name, report.version)
     assert loaded.card.features and loaded.card.arch == "resnet50"

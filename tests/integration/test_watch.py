@@ -28,12 +28,12 @@ def test_watch_alerts_on_lag_while_paused_then_catches_up(settings, ray_cluster,
     produce(
         settings,
         ProduceConfig(synthetic=24, source_image_size=32, corrupt_fraction=0.0),
-        settings.bootstrap_servers,
+        settings.kafka_connection(),
     )
     stop, alerts = threading.Event(), []
     cfg = WatchConfig(interval_s=0.5, lag_alert_s=1.5, pause_file=str(pause))
     thread = threading.Thread(
-        target=lambda: alerts.append(watch(settings, cfg, IngestConfig(), settings.bootstrap_servers, stop))
+        target=lambda: alerts.append(watch(settings, cfg, IngestConfig(), settings.kafka_connection(), stop))
     )
     gauges = (
         "ray_argus_consumer_lag_seconds",
@@ -49,7 +49,7 @@ def test_watch_alerts_on_lag_while_paused_then_catches_up(settings, ray_cluster,
             assert not list_manifests(settings)  # paused: nothing ingested
             pause.unlink()
             _wait(lambda: sum(m.records for m in list_manifests(settings)) == 24, 120, "the catch-up ingest")
-            assert measure_lag(settings, settings.bootstrap_servers).total == 0
+            assert measure_lag(settings, settings.kafka_connection()).total == 0
         finally:
             stop.set()
             thread.join(60)

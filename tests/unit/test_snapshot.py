@@ -7,16 +7,23 @@ import json
 
 import pytest
 
+from app import snapshot
 from app.config import Settings
 from app.snapshot import (
     MANIFEST,
+    CorruptSnapshot,
+    DataFile,
     Manifest,
     WriteStats,
     build_manifest,
+    data_file_uris,
     discover_classes,
     ledger_offsets,
     list_manifests,
+    read_rows,
+    remove_uncommitted,
     select_snapshots,
+    snapshot_uri,
 )
 
 
@@ -50,9 +57,7 @@ def commit(
         features_weights=None,
         allowed_lateness_s=60.0,
     )
-    folder = settings.local_storage_path / "snapshots" / snapshot_id
-    folder.mkdir(parents=True)
-    (folder / MANIFEST).write_text(manifest.to_json())
+    assert snapshot.commit(settings, manifest)
     return manifest
 
 
@@ -63,12 +68,18 @@ def settings(tmp_path) -> Settings:
 
 def test_write_stats_merge_as_if_one_task_saw_everything():
     merged = WriteStats()
-    merged.merge(task_stats(0, range(0, 5), dead={3}, labels=("a", "b"), event_times=(10, 20), files=["x"]))
-    merged.merge(task_stats(0, range(5, 9), labels=("a",), event_times=(5, 15), files=["y"]))
+    merged.merge(
+        task_stats(
+            0, range(0, 5), dead={3}, labels=("a", "b"), event_times=(10, 20), files=[DataFile("x", 1, "aa")]
+        )
+    )
+    merged.merge(
+        task_stats(0, range(5, 9), labels=("a",), event_times=(5, 15), files=[DataFile("y", 2, "bb")])
+    )
     merged.merge(task_stats(1, range(2, 4), event_times=(30, 40)))
     assert merged.partitions[0].records == 8 and merged.partitions[0].dlq == 1
     assert merged.partitions[0].covers_once(0, 9) and merged.partitions[1].covers_once(2, 4)
-    assert merged.labels == {"a": 2, "b": 1, "normal": 1} and merged.files == ["x", "y"]
+    assert merged.labels == {"a": 2, "b": 1, "normal": 1} and [f.path for f in merged.files] == ["x", "y"]
     assert (merged.event_min, merged.event_max) == (5, 40)
 
 
@@ -82,8 +93,8 @@ def test_manifest_json_is_the_contract_and_round_trips(settings):
     )
     stored = json.loads((settings.local_storage_path / "snapshots" / "snap-1" / MANIFEST).read_text())
     assert stored["offsets"] == {
-        "0": {"start": 0, "end": 4, "records": 3, "dlq": 1, "watermark": 5_000},
-        "2": {"start": 10, "end": 12, "records": 2, "dlq": 0, "watermark": 2_000},
+        "0": {"start": 0, "end": 4, "records": 3, "dlq": 1, "watermark": 5_000, "skipped": 0, "lost": 0},
+        "2": {"start": 10, "end": 12, "records": 2, "dlq": 0, "watermark": 2_000, "skipped": 0, "lost": 0},
     }
     assert stored["format"] == "argus.snapshot.v1" and stored["records"] == 5 and stored["dlq"] == 1
     assert stored["normalization"] == {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
@@ -172,3 +183,122 @@ def _merged(*parts: WriteStats) -> WriteStats:
     for part in parts:
         merged.merge(part)
     return merged
+
+
+def test_a_manifest_is_written_once_and_never_overwritten(settings):
+    first = commit(settings, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
+    other = build_manifest(
+        settings,
+        "snap-1",
+        {0: (0, 3)},
+        {},
+        task_stats(0, range(0, 3)),
+        features=None,
+        features_weights=None,
+        allowed_lateness_s=60.0,
+    )
+    assert not snapshot.commit(settings, other)
+    assert list_manifests(settings) == [first]
+    leftovers = [p.name for p in (settings.local_storage_path / "snapshots" / "snap-1").iterdir()]
+    assert leftovers == [MANIFEST]  # the create-if-absent's temporary file is gone too
+
+
+def test_folders_without_a_manifest_are_invisible_until_removed(settings):
+    commit(settings, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
+    orphan = settings.local_storage_path / "snapshots" / "snap-2" / "event_date=2026-01-01"
+    orphan.mkdir(parents=True)
+    (orphan / "part-0.parquet").write_bytes(b"written by an ingest that died")
+    assert [m.snapshot_id for m in list_manifests(settings)] == ["snap-1"]
+    assert remove_uncommitted(settings) == ["snap-2"]
+    assert sorted(p.name for p in (settings.local_storage_path / "snapshots").iterdir()) == ["snap-1"]
+
+
+def test_a_corrupt_manifest_is_skipped_then_quarantined_and_its_offsets_come_back(settings, caplog):
+    commit(settings, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
+    commit(settings, "snap-2", {0: (2, 4)}, task_stats(0, range(2, 4)))
+    path = settings.local_storage_path / "snapshots" / "snap-2" / MANIFEST
+    path.write_text(path.read_text()[:40])  # torn
+    assert [m.snapshot_id for m in list_manifests(settings)] == ["snap-1"]
+    assert "snap-2: corrupt manifest" in caplog.text and path.exists()
+    list_manifests(settings, quarantine=True)
+    assert not path.exists()
+    quarantined = list((settings.local_storage_path / "quarantine").iterdir())
+    assert len(quarantined) == 1 and quarantined[0].name.startswith("snap-2-")
+    assert ledger_offsets(list_manifests(settings), "t")[0] == {0: 2}  # offsets 2..3 are ingested again
+    assert remove_uncommitted(settings) == ["snap-2"]
+
+
+def test_readers_check_every_listed_file_against_its_manifest(settings):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buffer = pa.BufferOutputStream()
+    pq.write_table(pa.table({"key": ["u1", "u2"], "label": ["a", "b"]}), buffer)
+    data = buffer.getvalue().to_pybytes()
+    folder = settings.local_storage_path / "snapshots" / "snap-1" / "event_date=2026-01-01"
+    folder.mkdir(parents=True)
+    (folder / "part-0.parquet").write_bytes(data)
+    stats = task_stats(0, range(0, 2))
+    stats.files.append(
+        DataFile("event_date=2026-01-01/part-0.parquet", len(data), snapshot.storage.sha256(data))
+    )
+    manifest = commit(settings, "snap-1", {0: (0, 2)}, stats)
+    uri = snapshot_uri(settings, "snap-1")
+    assert read_rows([uri], ["key"]).column("key").to_pylist() == ["u1", "u2"]
+    assert data_file_uris(settings, [manifest]) == [f"{uri}/event_date=2026-01-01/part-0.parquet"]
+
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    (folder / "part-0.parquet").write_bytes(bytes(flipped))
+    with pytest.raises(CorruptSnapshot, match="SHA-256 differs"):
+        read_rows([uri], ["key"])
+    (folder / "part-0.parquet").write_bytes(data[:-3])
+    with pytest.raises(CorruptSnapshot, match=f"{len(data) - 3} bytes, its manifest says {len(data)}"):
+        data_file_uris(settings, [manifest])
+    (folder / "part-0.parquet").unlink()
+    with pytest.raises(CorruptSnapshot, match="missing"):
+        data_file_uris(settings, [manifest])
+
+
+def test_manifests_from_before_file_digests_still_read(settings):
+    manifest = commit(settings, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
+    stored = json.loads(manifest.to_json())
+    stored["files"] = ["event_date=2026-01-01/part-0.parquet"]
+    assert Manifest.from_json(json.dumps(stored)).files == [
+        DataFile("event_date=2026-01-01/part-0.parquet", None, None)
+    ]
+    with pytest.raises(ValueError, match="format"):
+        Manifest.from_json(json.dumps({**stored, "format": "something.else"}))
+
+
+def test_skipped_offsets_count_as_covered_and_lost_ones_keep_the_ledger_contiguous(settings):
+    stats = task_stats(0, [10, 11, 14])
+    stats.partition(0).skip(12, 14)  # a transaction marker and a compacted record
+    stats.partition(0).skip(15, 16)  # the commit marker at the end
+    manifest = build_manifest(
+        settings,
+        "snap-1",
+        {0: (10, 16)},
+        {},
+        stats,
+        features=None,
+        features_weights=None,
+        allowed_lateness_s=60.0,
+        lost={0: 10},
+    )
+    entry = manifest.offsets[0]
+    assert (entry.start, entry.end, entry.records, entry.skipped, entry.lost) == (0, 16, 3, 3, 10)
+    assert snapshot.commit(settings, manifest)
+    assert ledger_offsets(list_manifests(settings), "t")[0] == {0: 16}
+    undeclared = task_stats(0, [10, 11, 14, 15])  # 12 and 13 neither seen nor declared skipped
+    with pytest.raises(RuntimeError, match="once each"):
+        build_manifest(
+            settings,
+            "snap-2",
+            {0: (10, 16)},
+            {},
+            undeclared,
+            features=None,
+            features_weights=None,
+            allowed_lateness_s=60.0,
+        )

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageFile
 
-from app.transform import preprocess, resize_uint8
+from app.transform import BadImage, decode_image, decode_pixels, preprocess, resize_uint8
 
 
 def test_preprocess_normalises_with_imagenet_statistics():
@@ -35,3 +37,87 @@ def test_resize_is_torchvisions_antialiased_bilinear_bit_for_bit(height, width, 
     )
     chw = image.permute(2, 0, 1)
     assert torch.equal(resize_uint8(chw, size), F.resize(chw, [size, size], antialias=True))
+
+
+def _encoded(fmt: str, mode: str = "RGB", size: tuple[int, int] = (8, 8)) -> bytes:
+    out = io.BytesIO()
+    Image.new(mode, size, 90).save(out, format=fmt)
+    return out.getvalue()
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def _png_with_chunk_after_idat(kind: bytes, data: bytes) -> bytes:
+    png = _encoded("PNG")
+    iend = png.rindex(b"IEND") - 4  # the IEND chunk's length field
+    return png[:iend] + _png_chunk(kind, data) + png[iend:]
+
+
+@pytest.mark.parametrize(
+    "fmt, mode", [("JPEG", "RGB"), ("JPEG", "L"), ("PNG", "RGBA"), ("PNG", "P"), ("WEBP", "RGB")]
+)
+def test_the_declared_formats_decode_to_rgb(fmt, mode):
+    pixels = decode_pixels(_encoded(fmt, mode))
+    assert pixels.shape == (8, 8, 3) and pixels.dtype == np.uint8
+
+
+@pytest.mark.parametrize("fmt", ["GIF", "BMP", "TIFF", "ICO", "PPM", "TGA"])
+def test_other_formats_are_bad_images_though_pillow_reads_them(fmt):
+    value = _encoded(fmt)
+    assert Image.open(io.BytesIO(value)).format == fmt  # Pillow alone would decode it
+    with pytest.raises(BadImage, match="not a JPEG, PNG or WebP image"):
+        decode_image(value)
+
+
+# What Pillow 13 raises for each value, checked here so a Pillow upgrade that changes it shows.
+MALFORMED = {
+    # an empty iCCP chunk after the image data: PngStream.chunk_iCCP indexes past its end on load()
+    "png, empty iCCP after IDAT": (_png_with_chunk_after_idat(b"iCCP", b""), IndexError),
+    "png, iCCP without compression method": (_png_with_chunk_after_idat(b"iCCP", b"name\x00"), IndexError),
+    "png, truncated gAMA after IDAT": (_png_with_chunk_after_idat(b"gAMA", b"\x00"), ValueError),
+    "png, truncated tRNS after IDAT": (_png_with_chunk_after_idat(b"tRNS", b"\x00"), ValueError),
+    "png, truncated": (_encoded("PNG")[:50], OSError),
+    "webp, truncated": (_encoded("WEBP")[:30], OSError),
+    "jpeg, truncated": (_encoded("JPEG")[:200], OSError),
+    "jpeg, broken SOF": (_encoded("JPEG").replace(b"\xff\xc0", b"\xff\xc0\x00\x02", 1), OSError),
+    "garbage": (b"\x89PNG not really", OSError),
+}
+
+
+@pytest.mark.parametrize("name", MALFORMED)
+def test_whatever_pillow_raises_on_malformed_bytes_is_a_bad_image(name):
+    value, raised = MALFORMED[name]
+    with pytest.raises(raised) as pillow:
+        image = Image.open(io.BytesIO(value), formats=["JPEG", "PNG", "WEBP"])
+        image.load()
+        image.convert("RGB")
+    with pytest.raises(BadImage, match="^undecodable image: ") as bad:
+        decode_image(value)
+    if not isinstance(pillow.value, OSError):
+        assert str(bad.value).startswith(f"undecodable image: {type(pillow.value).__name__}: ")
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [EOFError("no more frames"), struct.error("unpack"), KeyError("mode"), MemoryError(), TypeError("x")],
+)
+def test_any_exception_from_the_decoder_is_a_bad_image(monkeypatch, exc):
+    """Pillow documents none of these, but each has come out of some plugin's decoder."""
+
+    value = _encoded("PNG")
+
+    def broken(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", broken)
+    with pytest.raises(BadImage, match=f"^undecodable image: {type(exc).__name__}"):
+        decode_pixels(value)
+
+
+def test_empty_and_oversized_values_are_bad_images():
+    with pytest.raises(BadImage, match="empty image"):
+        decode_image(b"")
+    with pytest.raises(BadImage, match="exceeds the 63 pixel limit"):
+        decode_image(_encoded("PNG"), max_pixels=63)

@@ -1,0 +1,164 @@
+"""One writer at a time: a lease on storage, with a heartbeat and an expiry, on any filesystem.
+
+    <storage>/leases/<name>/<generation>.json    {"owner", "host", "pid", "expires_at", ...}
+
+The holder is the newest generation while it is live. Acquiring creates generation n + 1 with
+`storage.write_new` (an O_EXCL-like create locally, `If-None-Match` on S3), so of two writers that
+both saw generation n expire exactly one wins. The holder renews its expiry from a thread and
+checks, before it commits, that no newer generation exists. A holder that died on this host (its
+pid is gone) is expired at once, so a killed ingest's rerun need not wait out the TTL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import pyarrow.fs as pafs
+
+from app import storage
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TTL_S = 30.0
+
+
+class LeaseHeld(RuntimeError):
+    """Another live writer holds the lease."""
+
+
+class LeaseLost(RuntimeError):
+    """This writer's lease expired or was taken over: it must not commit."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    owner: str
+    host: str
+    pid: int
+    acquired_at: float
+    expires_at: float
+
+    def alive(self, now: float) -> bool:
+        if now >= self.expires_at:
+            return False
+        if self.host == socket.gethostname():
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False  # died on this host: its heartbeat will never come
+            except PermissionError:
+                pass
+        return True
+
+    def describe(self) -> str:
+        return (
+            f"{self.owner} (pid {self.pid} on {self.host}, expires in {self.expires_at - time.time():.0f}s)"
+        )
+
+
+class Lease:
+    """Hold with `with Lease(uri).held():`; `check()` before committing."""
+
+    def __init__(self, root_uri: str, ttl_s: float | None = None):
+        self.root_uri = root_uri.rstrip("/")
+        self.ttl_s = ttl_s or float(os.environ.get("ARGUS_LEASE_TTL_S", DEFAULT_TTL_S))
+        self.owner = uuid.uuid4().hex[:12]
+        self.generation: int | None = None
+        self._fs, self._root = storage.filesystem(self.root_uri)
+        self._stop = threading.Event()
+        self._lost: str | None = None
+
+    def _generations(self) -> list[int]:
+        infos = self._fs.get_file_info(pafs.FileSelector(self._root, allow_not_found=True))
+        names = [i.base_name.removesuffix(".json") for i in infos if i.base_name.endswith(".json")]
+        return sorted(int(name) for name in names if name.isdigit())
+
+    def _uri(self, generation: int) -> str:
+        return f"{self.root_uri}/{generation:012d}.json"
+
+    def _path(self, generation: int) -> str:
+        return f"{self._root}/{generation:012d}.json"
+
+    def _read(self, generation: int) -> Holder | None:
+        try:
+            return Holder(**json.loads(storage.read_file(self._fs, self._path(generation))))
+        except FileNotFoundError:
+            return None
+        except (ValueError, TypeError):
+            log.warning(
+                "lease %s generation %d is unreadable; treating it as expired", self.root_uri, generation
+            )
+            return None
+
+    def _record(self, acquired_at: float) -> bytes:
+        """This writer's record, live for one more TTL."""
+        holder = Holder(self.owner, socket.gethostname(), os.getpid(), acquired_at, time.time() + self.ttl_s)
+        return json.dumps(asdict(holder)).encode()
+
+    def acquire(self) -> None:
+        """Become the holder, or raise LeaseHeld naming the live one."""
+        generations = self._generations()
+        newest = generations[-1] if generations else 0
+        holder = self._read(newest) if generations else None
+        if holder is not None and holder.alive(time.time()):
+            raise LeaseHeld(f"held by {holder.describe()}")
+        if not storage.write_new(self._uri(newest + 1), self._record(time.time())):
+            raise LeaseHeld("another writer acquired it at the same moment")
+        self.generation = newest + 1
+        for old in generations:  # earlier generations are history once a newer one exists
+            with contextlib.suppress(FileNotFoundError, OSError):
+                self._fs.delete_file(self._path(old))
+
+    def _renew(self) -> None:
+        acquired_at = time.time()
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self.check()
+                storage.write_file(self._fs, self._path(self.generation), self._record(acquired_at))
+            except LeaseLost as exc:
+                self._lost = str(exc)
+                return
+            except Exception as exc:  # a storage hiccup: try again next beat, the expiry has slack
+                log.warning("renewing lease %s failed: %s", self.root_uri, exc)
+
+    def check(self) -> None:
+        """Raise LeaseLost unless this writer still holds the lease."""
+        if self._lost:
+            raise LeaseLost(self._lost)
+        newer = [g for g in self._generations() if g > (self.generation or 0)]
+        if newer:
+            raise LeaseLost(f"lease {self.root_uri} was taken over (generation {newer[-1]})")
+        holder = self._read(self.generation)
+        if holder is None or holder.owner != self.owner or holder.expires_at <= time.time():
+            raise LeaseLost(f"lease {self.root_uri} expired before the commit")
+
+    def release(self) -> None:
+        """Expire this writer's generation (kept, so generations only grow) if it still holds it."""
+        self._stop.set()
+        if self.generation is None:
+            return
+        holder = self._read(self.generation)
+        if holder is not None and holder.owner == self.owner:
+            released = json.dumps({**asdict(holder), "expires_at": 0.0}).encode()
+            storage.write_file(self._fs, self._path(self.generation), released)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[Lease]:
+        """Acquire (raising LeaseHeld when another writer is live), renew while inside, release."""
+        self.acquire()
+        thread = threading.Thread(target=self._renew, daemon=True, name="lease-heartbeat")
+        thread.start()
+        try:
+            yield self
+        finally:
+            self.release()
+            thread.join(timeout=5)

@@ -1,0 +1,205 @@
+"""The CLI's options, one adder per command (CONTRACT.md §3). Each adder only declares flags;
+defaults live in the typed configs of `app.config`, so a flag left out means "the config's default".
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from app.config import AMP_MODES, MODELS
+
+
+def _csv(text: str) -> tuple[str, ...] | None:
+    return tuple(item for item in text.split(",") if item) or None
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("shared options (each also read from the environment)")
+    group.add_argument(
+        "--bootstrap-servers",
+        help="Kafka host:port[,...] (KAFKA_BOOTSTRAP_SERVERS); unset: the embedded broker",
+    )
+    group.add_argument(
+        "--topic", help="topic of behaviour images (ARGUS_TOPIC; default user_behavior_images)"
+    )
+    group.add_argument(
+        "--storage", help="local path or s3:// / hdfs:// URI (ARGUS_STORAGE; default ./argus-data)"
+    )
+    group.add_argument(
+        "--mlflow-uri", help="MLflow tracking URI (MLFLOW_TRACKING_URI; default SQLite in storage)"
+    )
+    group.add_argument("--ray-address", help="Ray cluster address (RAY_ADDRESS; unset: local Ray)")
+    group.add_argument("--image-size", type=int, help="square image side the model sees (default 224)")
+    group.add_argument("--model", help=f"one of {', '.join(MODELS)} (default resnet50)")
+    group.add_argument("--classes", help="comma-separated class names (default: discovered from the data)")
+    group.add_argument("--partitions", type=int, help="partitions of topics Argus creates (default 4)")
+    group.add_argument(
+        "--replication-factor", type=int, help="replication factor of topics Argus creates (default 1)"
+    )
+    group.add_argument(
+        "--kafka-config",
+        metavar="FILE",
+        help="librdkafka properties (security.protocol, ssl.*, sasl.*) for every Kafka client (KAFKA_CONFIG)",
+    )
+    group.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def add_produce(parser) -> None:
+    parser.add_argument("--synthetic", type=int, metavar="N", help="publish N synthetic behaviour images")
+    parser.add_argument("--from-dir", metavar="DIR", help="publish DIR/<label>/<image files>")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--users", type=int, help="synthetic users (default 50)")
+    parser.add_argument("--source-image-size", type=int, help="side of synthetic images (default 64)")
+    parser.add_argument("--late-fraction", type=float, help="share of records arriving late (default 0.05)")
+    parser.add_argument("--corrupt-fraction", type=float, help="share of corrupt values (default 0.02)")
+    parser.add_argument("--linger-ms", type=int, help="producer batching delay (default 20)")
+
+
+def add_ingest(parser) -> None:
+    parser.add_argument("--group", help="consumer group (default argus-ingest)")
+    parser.add_argument("--max-record-bytes", type=int, help="larger values go to the DLQ (default 10 MiB)")
+    parser.add_argument(
+        "--allowed-lateness-s", type=float, help="lateness flagged beyond this (default 3600)"
+    )
+    parser.add_argument("--features", choices=["resnet50"], help="add a 2048-d ResNet-50 feature column")
+    parser.add_argument("--weights", help="local path of backbone weights (default: random, with a warning)")
+    parser.add_argument("--use-gpu", action="store_true", default=None, help="preprocess on GPU actors")
+    parser.add_argument(
+        "--concurrency", type=int, help="most preprocessing actors (default: one per CPU, or per GPU)"
+    )
+    parser.add_argument(
+        "--decode-threads", type=int, help="decode threads per actor (default 1, CPUs per GPU on GPU)"
+    )
+    parser.add_argument(
+        "--dlq-max-bytes", type=int, help="larger dead letters go to <storage>/dlq/, a pointer to the topic"
+    )
+    parser.add_argument(
+        "--lease-ttl-s", type=float, help="expiry of the one-writer ingest lease (default 30)"
+    )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        default=None,
+        help="fail when retention deleted records before they were ingested (default: record and go on)",
+    )
+
+
+def add_train(parser) -> None:
+    parser.add_argument("--epochs", type=int)
+    parser.add_argument("--batch-size", type=int, help="per-worker micro-batch (default 32)")
+    parser.add_argument(
+        "--num-workers", help="training workers, N or MIN-MAX for an elastic group (default 2)"
+    )
+    parser.add_argument("--use-gpu", action="store_true", default=None)
+    parser.add_argument("--cpus-per-worker", type=float, help="logical CPUs per worker (default 0.5)")
+    parser.add_argument("--amp", choices=AMP_MODES, help="mixed precision (auto: on with a GPU, off on CPU)")
+    parser.add_argument("--grad-accum", type=int, help="micro-batches per optimiser step (default 1)")
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--snapshots", type=_csv, help="comma-separated snapshot ids (default: all)")
+    parser.add_argument(
+        "--val-fraction", type=float, help="newest share by event time held out (default 0.2)"
+    )
+    parser.add_argument(
+        "--balance", choices=["weights", "sampler", "none"], help="uneven classes (default weights)"
+    )
+    parser.add_argument("--no-augment", dest="augment", action="store_false", default=None)
+    parser.add_argument("--run-name", help="rerunning with the same name resumes it")
+    parser.add_argument("--max-failures", type=int, help="worker failures to recover from (default 2)")
+    parser.add_argument(
+        "--promote-if-better",
+        action="store_true",
+        default=None,
+        help="move the alias if the new version beats the champion on the newest event-time slice",
+    )
+    parser.add_argument("--fail-at-epoch", type=int, help=argparse.SUPPRESS)
+
+
+def add_federate(parser) -> None:
+    parser.add_argument("--rounds", type=int, help="federated rounds (default 5)")
+    parser.add_argument("--clients", type=int, help="simulated clients, each a group of users (default 10)")
+    parser.add_argument("--clients-per-round", type=int, help="clients sampled per round (default 5)")
+    parser.add_argument("--local-epochs", type=int, help="client epochs per round (default 1)")
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--lr", type=float, help="client SGD learning rate (default 0.05)")
+    parser.add_argument(
+        "--strategy", help="fedavg, fedprox, fedmedian, fedtrimmedavg or krum (default fedavg)"
+    )
+    parser.add_argument("--mu", type=float, help="FedProx proximal weight (default 0.01)")
+    parser.add_argument("--dp-clip", type=float, help="clip each update to this L2 norm (enables DP)")
+    parser.add_argument(
+        "--dp-noise", type=float, help="Gaussian noise multiplier on the aggregate (needs --dp-clip)"
+    )
+    parser.add_argument("--dp-delta", type=float, help="delta at which epsilon is reported (default 1e-5)")
+    parser.add_argument("--update-dtype", help="fp16 (default) or fp32 updates on the wire")
+    parser.add_argument("--min-clients", type=int, help="fewest valid updates that make a round")
+    parser.add_argument("--round-timeout-s", type=float, help="drop clients slower than this (default 600)")
+    parser.add_argument("--init-from", help="start from the model behind this alias, e.g. champion")
+    parser.add_argument("--snapshots", type=_csv, help="comma-separated snapshot ids (default: all)")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--run-name", help="rerunning with the same name resumes after its last round")
+    parser.add_argument(
+        "--num-cpus-per-client", type=float, help="logical CPUs per client actor (default 0.5)"
+    )
+
+
+def add_serve(parser) -> None:
+    parser.add_argument("--http-host", help="default 127.0.0.1")
+    parser.add_argument("--http-port", type=int, help="default 8000")
+    parser.add_argument("--replicas", type=int, help="default 1")
+    parser.add_argument("--alias", help="registry alias to serve (default champion)")
+    parser.add_argument("--max-batch-size", type=int)
+    parser.add_argument("--batch-wait-timeout-s", type=float)
+    parser.add_argument("--max-body-bytes", type=int)
+    parser.add_argument(
+        "--detach",
+        action="store_true",
+        default=None,
+        help="deploy onto the running cluster (--ray-address) and return",
+    )
+
+
+def add_demo(parser) -> None:
+    parser.add_argument(
+        "--records", type=int, default=1200, help="synthetic records to publish (default 1200)"
+    )
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="federated rounds (default 3)")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument(
+        "--hold",
+        action="store_true",
+        help="keep Ray's dashboard and the Serve endpoint up at the end until Ctrl-C",
+    )
+
+
+def add_broker(parser) -> None:
+    parser.add_argument("--port", type=int, default=9092)
+
+
+def add_promote(parser) -> None:
+    parser.add_argument("version")
+    parser.add_argument("--alias", default="champion")
+    parser.add_argument("--wait-url", help="wait until this endpoint's /healthz reports VERSION")
+
+
+def add_watch(parser) -> None:
+    add_ingest(parser)
+    parser.add_argument("--lag-alert-s", type=float, help="alert threshold in seconds (default 5)")
+    parser.add_argument("--interval-s", type=float, help="pause between micro-batches (default 5)")
+    parser.add_argument("--pause-file", help="while this file exists, measure lag but do not ingest")
+    parser.add_argument("--max-ticks", type=int, help="stop after this many micro-batches")
+
+
+def add_drift(parser) -> None:
+    parser.add_argument("--window-s", type=float, help="recent traffic window (default 3600)")
+    parser.add_argument("--threshold", type=float, help="PSI above this is drift (default 0.2)")
+    parser.add_argument("--label-threshold", type=float, help="predicted-class PSI threshold (default 0.5)")
+    parser.add_argument("--min-requests", type=int, help="fewest requests for a verdict (default 30)")
+    parser.add_argument(
+        "--retrain",
+        action="store_true",
+        default=None,
+        help="on drift, submit ingest → train --promote-if-better as a Ray job",
+    )
+    parser.add_argument("--alias", help="the served alias (default champion)")

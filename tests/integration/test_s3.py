@@ -1,0 +1,119 @@
+"""Argus on an object store: a real S3 API server (moto, on 127.0.0.1) holds the snapshots, the
+ingest lease and MLflow's artifacts, configured the standard way (AWS_ENDPOINT_URL and keys in the
+environment). No step may rely on renaming a directory, which S3 cannot do."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import requests
+
+from app import synth
+from app.broker import free_port
+from app.config import IngestConfig, ProduceConfig, ServeConfig, TrainConfig
+from app.ingest import ingest
+from app.produce import produce
+from app.snapshot import MANIFEST, list_manifests, read_rows, snapshot_uri
+from app.storage import s3_client
+
+from conftest import run_cli, settings_args
+
+
+@pytest.fixture
+def s3(settings, s3_bucket, tmp_path):
+    """The test's settings with storage in a fresh bucket and MLflow's tracking DB on local disk."""
+    return dataclasses.replace(
+        settings, storage=f"s3://{s3_bucket}/argus", mlflow_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"
+    )
+
+
+def keys(bucket: str, prefix: str) -> list[str]:
+    pages = s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return sorted(item["Key"] for page in pages for item in page.get("Contents", []))
+
+
+def snapshot_coordinates(settings) -> list[tuple[int, int]]:
+    """(partition, offset) of every row in every committed snapshot, read as train reads them."""
+    uris = [snapshot_uri(settings, m.snapshot_id) for m in list_manifests(settings)]
+    if not uris:
+        return []
+    table = read_rows(uris, ["partition", "offset"])
+    return list(zip(table.column("partition").to_pylist(), table.column("offset").to_pylist(), strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_produce_ingest_train_register_and_serve_on_s3(s3, s3_bucket, ray_cluster):
+    from ray import serve
+
+    from app.serve import deploy, wait_for_version
+    from app.train import train
+
+    kafka = s3.kafka_connection()
+    produce(s3, ProduceConfig(synthetic=160, seed=5, source_image_size=32, corrupt_fraction=0.05), kafka)
+    first = ingest(s3, IngestConfig(), kafka)
+    assert first.snapshot_id and first.records + first.dlq == 160 and first.dlq > 0
+    stored = keys(s3_bucket, f"argus/snapshots/{first.snapshot_id}/")
+    manifest = json.loads(s3_client().get_object(Bucket=s3_bucket, Key=stored[0])["Body"].read())
+    assert stored[0].endswith(MANIFEST) and manifest["records"] == first.records
+    listed = {f"argus/snapshots/{first.snapshot_id}/{f['path']}" for f in manifest["files"]}
+    assert listed == set(stored[1:]) and all(len(f["sha256"]) == 64 for f in manifest["files"])
+    assert not [k for k in keys(s3_bucket, "argus/") if ".tmp" in k]  # nothing staged, nothing renamed
+
+    again = ingest(s3, IngestConfig(), kafka)
+    assert again.snapshot_id is None and keys(s3_bucket, "argus/snapshots/") == stored
+
+    report = train(s3, TrainConfig(epochs=1, num_workers=1, batch_size=32, max_failures=0, run_name="on-s3"))
+    weights = [k for k in keys(s3_bucket, "argus/mlartifacts/") if k.endswith("weights.safetensors")]
+    assert len(weights) == 1, keys(s3_bucket, "argus/mlartifacts/")  # MLflow's artifacts on the same endpoint
+
+    url = deploy(s3, ServeConfig(http_port=free_port(), poll_s=0.5), blocking=False)
+    try:
+        wait_for_version(url, report.version, timeout_s=120)
+        image = next(synth.generate(1, seed=3, size=32)).value
+        answer = requests.post(
+            f"{url}/predict", data=image, headers={"Content-Type": "image/png"}, timeout=30
+        )
+        assert answer.status_code == 200 and answer.json()["model_version"] == report.version
+    finally:
+        serve.shutdown()
+
+
+@pytest.mark.parametrize("fault", ["after_write", "before_manifest", "before_commit"])
+def test_ingest_killed_at_each_commit_step_reruns_exactly_on_s3(s3, s3_bucket, ray_cluster, fault):
+    import ray
+
+    kafka = s3.kafka_connection()
+    produce(s3, ProduceConfig(synthetic=30, seed=9, source_image_size=32, corrupt_fraction=0.0), kafka)
+    args = ["ingest", *settings_args(s3), "--ray-address", ray.get_runtime_context().gcs_address]
+    killed = run_cli(*args, env={"ARGUS_FAULT": fault})
+    assert killed.returncode == 137, killed.stderr[-2000:]
+    committed_by_the_killed_run = list_manifests(s3)
+    assert len(committed_by_the_killed_run) == (1 if fault == "before_commit" else 0)
+
+    rerun = run_cli(*args)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert run_cli(*args).stdout.strip().startswith("nothing new")
+    coordinates = snapshot_coordinates(s3)
+    assert len(coordinates) == 30 and len(set(coordinates)) == 30
+    # (pyarrow leaves an empty marker object for the parent of a folder it deletes: not a snapshot)
+    snapshots = {k.split("/")[2] for k in keys(s3_bucket, "argus/snapshots/") if k.split("/")[2]}
+    assert snapshots == {m.snapshot_id for m in list_manifests(s3)}  # the uncommitted folder is gone
+
+
+def test_a_corrupt_manifest_on_s3_is_quarantined_and_its_records_ingested_again(
+    s3, s3_bucket, ray_cluster, caplog
+):
+    kafka = s3.kafka_connection()
+    produce(s3, ProduceConfig(synthetic=12, seed=2, source_image_size=32, corrupt_fraction=0.0), kafka)
+    first = ingest(s3, IngestConfig(), kafka)
+    key = f"argus/snapshots/{first.snapshot_id}/{MANIFEST}"
+    s3_client().put_object(Bucket=s3_bucket, Key=key, Body=b'{"snapshot_id": "torn')
+    second = ingest(s3, IngestConfig(), kafka)
+    assert "corrupt manifest" in caplog.text
+    assert second.snapshot_id and second.records == 12
+    assert [m.snapshot_id for m in list_manifests(s3)] == [second.snapshot_id]
+    assert keys(s3_bucket, "argus/quarantine/")
+    assert sorted(snapshot_coordinates(s3)) == sorted(set(snapshot_coordinates(s3)))
