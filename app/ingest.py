@@ -63,10 +63,12 @@ class KafkaRangeDatasource(Datasource):
         records_per_block: int,
         watermarks: dict[int, int],
         allowed_lateness_ms: int,
+        visible_ends: dict[int, int] | None = None,
         max_offsets_per_task: int = 20_000,
     ):
         self.connection, self.topic = connection, topic
         self.ranges = ranges
+        self.visible_ends = visible_ends or {}
         self.records_per_block = records_per_block
         self.watermarks = watermarks
         self.allowed_lateness_ms = allowed_lateness_ms
@@ -99,6 +101,8 @@ class KafkaRangeDatasource(Datasource):
                     self.records_per_block,
                     self.watermarks.get(partition, 0),
                     self.allowed_lateness_ms,
+                    # Only the partition's last chunk may end in markers (see probe_partitions).
+                    self.visible_ends.get(partition, end) if hi == end else hi,
                 )
                 metadata = BlockMetadata(
                     num_rows=hi - lo,
@@ -225,11 +229,13 @@ def write_snapshot_blocks(blocks, target: SinkTarget, task_name: str) -> store.W
             table = BlockAccessor.for_block(block).to_arrow()
             stats.value_bytes += pc.sum(table.column("value_size")).as_py() or 0
             errors = table.column("error").to_pylist()
-            coordinates = zip(
-                table.column("partition").to_pylist(), table.column("offset").to_pylist(), errors
-            )
-            for p, offset, error in coordinates:
-                stats.partition(p).add(offset, dead_letter=bool(error))
+            gap_ends = table.column("gap_end").to_pylist()
+            coordinates = zip(table.column("partition").to_pylist(), table.column("offset").to_pylist())
+            for (p, offset), error, gap_end in zip(coordinates, errors, gap_ends):
+                if gap_end >= 0:
+                    stats.partition(p).skip(offset, gap_end)
+                else:
+                    stats.partition(p).add(offset, dead_letter=bool(error))
             bad = [i for i, e in enumerate(errors) if e]
             if bad:
                 producer = producer or target.connection.producer()
@@ -241,10 +247,11 @@ def write_snapshot_blocks(blocks, target: SinkTarget, task_name: str) -> store.W
                     )
                     future.add_errback(failures.append)
                     stats.dlq_errors[row["error"].split(":")[0]] += 1
-            good = table.filter(pc.is_null(table.column("error")))
+            records = pc.and_(pc.is_null(table.column("error")), pc.less(table.column("gap_end"), 0))
+            good = table.filter(records)
             if good.num_rows == 0:
                 continue
-            good = good.drop_columns(["error", "value", "value_size"])
+            good = good.drop_columns(["error", "value", "value_size", "gap_end"])
             event_times = good.column("event_time").to_pylist()
             dates = [store.event_date(t) for t in event_times]
             stats.labels.update(label for label in good.column("label").to_pylist() if label is not None)
@@ -306,23 +313,61 @@ def _fault(point: str) -> None:
         os._exit(137)
 
 
+@dataclass(frozen=True)
+class Pending:
+    """What the next ingest reads: per partition [read start, proven end), where records stop and
+    only markers may follow, offsets retention deleted unread, and the event-time watermarks."""
+
+    ranges: dict[int, tuple[int, int]]
+    visible_ends: dict[int, int]
+    lost: dict[int, int]
+    watermarks: dict[int, int]
+
+
 def pending_ranges(
     settings: Settings, connection: kafka.KafkaConnection, manifests: list[store.Manifest]
-) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
-    """Per partition, the offsets [ledger end, proven topic end) not yet in a snapshot (only the
-    non-empty ones), and the ledger's event-time watermarks."""
+) -> Pending:
+    """The offsets from the ledger's end to each partition's proven end not yet in a snapshot
+    (partitions with nothing to read or lose are left out)."""
     previous, watermarks = store.ledger_offsets(manifests, settings.topic)
     partitions = kafka.partitions_of(connection, settings.topic)
+    probed = kafka.probe_partitions(connection, settings.topic, partitions)
     starts = {p: previous.get(p, 0) for p in partitions}
-    ends = kafka.probe_end_offsets(connection, settings.topic, partitions)
-    behind = {p: (starts[p], ends[p]) for p in partitions if ends[p] < starts[p]}
+    behind = {p: (starts[p], probed[p].end) for p in partitions if probed[p].end < starts[p]}
     if behind:
         raise RuntimeError(
             f"the snapshots under {settings.uri('snapshots')} end past the topic's end "
             f"(partition: (ledger start, topic end) {behind}): they belong to another broker "
             "or an older incarnation of the topic; use a fresh --storage"
         )
-    return {p: (starts[p], ends[p]) for p in partitions if ends[p] > starts[p]}, watermarks
+    return plan(starts, probed, watermarks)
+
+
+def plan(
+    starts: dict[int, int], probed: dict[int, kafka.PartitionEnds], watermarks: dict[int, int]
+) -> Pending:
+    """From the ledger's starts and the probed partitions: read from the later of the ledger's end and
+    the log start; what retention deleted in between is lost."""
+    lost = {p: ends.log_start - starts[p] for p, ends in probed.items() if ends.log_start > starts[p]}
+    ranges = {p: (starts[p] + lost.get(p, 0), ends.end) for p, ends in probed.items()}
+    ranges = {p: r for p, r in ranges.items() if r[1] > r[0] or p in lost}
+    return Pending(ranges, {p: probed[p].visible_end for p in ranges}, lost, watermarks)
+
+
+def report_lost(settings: Settings, cfg: IngestConfig, pending: Pending) -> None:
+    if not pending.lost:
+        return
+    spans = ", ".join(
+        f"p{p}:[{pending.ranges[p][0] - n},{pending.ranges[p][0]})" for p, n in pending.lost.items()
+    )
+    message = (
+        f"{sum(pending.lost.values())} records of {settings.topic} were deleted by the topic's retention "
+        f"before any ingest read them (offsets {spans})"
+    )
+    if cfg.strict:
+        raise RuntimeError(f"{message}; --strict: nothing written")
+    log.error("%s; recorded as lost in the snapshot's manifest, continuing from the log start", message)
+    metrics.inc("argus_records_lost", sum(pending.lost.values()), topic=settings.topic)
 
 
 def ingest_lease(settings: Settings, cfg: IngestConfig) -> Lease:
@@ -354,22 +399,14 @@ def _ingest_holding(
 ) -> IngestReport:
     manifests = store.list_manifests(settings, quarantine=True)
     store.remove_uncommitted(settings)  # their writers' leases expired: they are gone
-    ranges, watermarks = pending_ranges(settings, connection, manifests)
-    if not ranges:
+    pending = pending_ranges(settings, connection, manifests)
+    if not pending.ranges:
         return IngestReport(None, 0, 0, {}, time.perf_counter() - started, 0)
+    report_lost(settings, cfg, pending)
+    ranges = pending.ranges
 
     snapshot_id = store.new_snapshot_id()
     log.info("ingesting %s offsets %s into %s", settings.topic, ranges, snapshot_id)
-    source = KafkaRangeDatasource(
-        connection,
-        settings.topic,
-        ranges,
-        cfg.records_per_block,
-        watermarks,
-        int(cfg.allowed_lateness_s * 1000),
-    )
-    with streaming_blocks():
-        dataset = preprocess_batches(read_ranges(source), settings, cfg)
     target = SinkTarget(
         store.snapshot_uri(settings, snapshot_id),
         settings.uri("dlq"),
@@ -379,17 +416,38 @@ def _ingest_holding(
         cfg.dlq_max_bytes,
     )
     sink = SnapshotSink(target)
-    dataset.write_datasink(sink, ray_remote_args={"num_cpus": IO_TASK_CPUS}, concurrency=io_concurrency())
+    if any(end > start for start, end in ranges.values()):  # else only lost offsets to record
+        source = KafkaRangeDatasource(
+            connection,
+            settings.topic,
+            ranges,
+            cfg.records_per_block,
+            pending.watermarks,
+            int(cfg.allowed_lateness_s * 1000),
+            pending.visible_ends,
+        )
+        with streaming_blocks():
+            dataset = preprocess_batches(read_ranges(source), settings, cfg)
+        dataset.write_datasink(sink, ray_remote_args={"num_cpus": IO_TASK_CPUS}, concurrency=io_concurrency())
     manifest = store.build_manifest(
         settings,
         snapshot_id,
         ranges,
-        watermarks,
+        pending.watermarks,
         sink.stats,
         features=cfg.features,
         features_weights=cfg.weights,
         allowed_lateness_s=cfg.allowed_lateness_s,
+        lost=pending.lost,
     )
+    skipped = sum(r.skipped for r in manifest.offsets.values())
+    if skipped:
+        log.info(
+            "%d offsets of %s are transaction markers or compacted records: counted as skipped",
+            skipped,
+            settings.topic,
+        )
+        metrics.inc("argus_offsets_skipped", skipped, topic=settings.topic)
     _fault("after_write")
     check_no_overlap(settings, ranges)
     lease.check()

@@ -64,6 +64,9 @@ class KafkaConnection:
             # end for more data only delays the EOF that proves the end.
             "fetch.wait.max.ms": 10,
             "session.timeout.ms": 6000,
+            # Records of aborted transactions are never ingested; their offsets, and transaction
+            # markers, are gaps the reader counts as skipped.
+            "isolation.level": "read_committed",
         }
         config.update({k: v for k, v in self.properties.items() if k not in PRODUCER_ONLY})
         config.update(extra)
@@ -222,8 +225,11 @@ RAW_SCHEMA = pa.schema(
         ("schema", pa.string()),
         ("header_error", pa.string()),
         ("late", pa.bool_()),
+        ("gap_end", pa.int64()),
     ]
 )
+"""Rows of a read task. A row whose `gap_end` is set is no record: it declares that the broker never
+returns offsets [offset, gap_end) (transaction markers, aborted or compacted records)."""
 
 
 def partitions_of(kafka: KafkaConnection, topic: str) -> list[int]:
@@ -238,25 +244,42 @@ def partitions_of(kafka: KafkaConnection, topic: str) -> list[int]:
         consumer.close()
 
 
-def probe_end_offsets(
+@dataclass(frozen=True)
+class PartitionEnds:
+    """What a probe proved about one partition."""
+
+    log_start: int
+    """The first offset the broker still holds (retention deleted everything before it)."""
+    end: int
+    """The true end: last offset + 1."""
+    visible_end: int
+    """Records are delivered up to here; from here to `end` there may be only offsets no consumer
+    ever receives (a transaction's commit marker), which the reader may then count as skipped."""
+
+
+def probe_partitions(
     kafka: KafkaConnection, topic: str, partitions: Iterable[int], timeout_s: float = 60.0
-) -> dict[int, int]:
-    """The true end (last offset + 1) of each partition, proven by reading past the reported one.
+) -> dict[int, PartitionEnds]:
+    """Log start and true end of each partition, the end proven by reading past the reported one.
 
     A broker may report the first offset of its last batch + 1 as the high watermark. Reading from
     reported - 1 until the partition signals EOF returns that whole last batch, so the last offset
-    seen is the real end, and the EOF right after it is the proof that nothing follows.
+    seen is the real end, and the EOF right after it is the proof that nothing follows. When that
+    read delivers nothing, offsets from reported - 1 on are markers, not records.
     """
     from confluent_kafka import KafkaError, TopicPartition
 
     consumer = kafka.consumer()
     try:
-        ends, assignments = {}, []
+        lows, reported, seen, assignments = {}, {}, {}, []
         for partition in partitions:
-            low, reported = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
-            ends[partition] = reported
-            if reported > low:
-                assignments.append(TopicPartition(topic, partition, max(low, reported - 1)))
+            lows[partition], reported[partition] = consumer.get_watermark_offsets(
+                TopicPartition(topic, partition), timeout=10
+            )
+            if reported[partition] > lows[partition]:
+                assignments.append(
+                    TopicPartition(topic, partition, max(lows[partition], reported[partition] - 1))
+                )
         pending = {tp.partition for tp in assignments}
         consumer.assign(assignments)
         deadline = time.monotonic() + timeout_s
@@ -273,10 +296,22 @@ def probe_end_offsets(
                     pending.discard(message.partition())
                     continue
                 raise RuntimeError(f"probing {topic}[{message.partition()}]: {message.error()}")
-            ends[message.partition()] = max(ends[message.partition()], message.offset() + 1)
-        return ends
+            seen[message.partition()] = max(seen.get(message.partition(), -1), message.offset())
+        probed = {}
+        for p in lows:
+            end = max(reported[p], seen.get(p, -1) + 1)
+            visible = seen[p] + 1 if p in seen else max(lows[p], reported[p] - 1)
+            probed[p] = PartitionEnds(lows[p], end, visible)
+        return probed
     finally:
         consumer.close()
+
+
+def probe_end_offsets(
+    kafka: KafkaConnection, topic: str, partitions: Iterable[int], timeout_s: float = 60.0
+) -> dict[int, int]:
+    """The true end (last offset + 1) of each partition (see `probe_partitions`)."""
+    return {p: probed.end for p, probed in probe_partitions(kafka, topic, partitions, timeout_s).items()}
 
 
 def read_partition_range(
@@ -288,18 +323,31 @@ def read_partition_range(
     records_per_block: int,
     watermark_ms: int,
     allowed_lateness_ms: int,
+    visible_end: int | None = None,
     stall_timeout_s: float = 60.0,
 ) -> Iterator[pa.Table]:
-    """Every record of [start, end) of one partition, as Arrow blocks, or an error: never fewer.
+    """Every offset of [start, end) of one partition, as Arrow blocks, or an error: never fewer.
 
-    Lateness is judged against the partition's running event-time watermark (the highest event
-    time seen so far, seeded from the previous snapshot), as a stream processor would.
+    Each offset is a record or part of a gap row: offsets the broker skips over (a later offset
+    arrives first) are transaction markers, aborted or compacted records; offsets from
+    `visible_end` on may end in an EOF, which proves them markers too (see `probe_partitions`).
+    An EOF before `visible_end` is an error. Lateness is judged against the partition's running
+    event-time watermark (the highest event time seen so far, seeded from the previous snapshot),
+    as a stream processor would.
     """
     from confluent_kafka import KafkaError, TopicPartition
 
+    visible_end = end if visible_end is None else visible_end
     consumer = kafka.consumer()
     consumer.assign([TopicPartition(topic, partition, start)])
     rows: dict[str, list] = {name: [] for name in RAW_SCHEMA.names}
+
+    def gap(until: int) -> None:
+        gap_row = dict.fromkeys(RAW_SCHEMA.names)
+        gap_row.update(partition=partition, offset=next_offset, gap_end=until, value=b"", late=False)
+        for name in RAW_SCHEMA.names:
+            rows[name].append(gap_row[name])
+
     next_offset, last_progress = start, time.monotonic()
     try:
         while next_offset < end:
@@ -308,12 +356,19 @@ def read_partition_range(
                 raise RuntimeError(f"{topic}[{partition}] stalled at offset {next_offset} before {end}")
             for message in messages:
                 if message.error():
-                    if message.error().code() == KafkaError._PARTITION_EOF:
-                        if next_offset < end:
-                            raise RuntimeError(f"{topic}[{partition}] ended at {next_offset}, expected {end}")
+                    if message.error().code() != KafkaError._PARTITION_EOF:
+                        raise RuntimeError(f"reading {topic}[{partition}]: {message.error()}")
+                    if next_offset >= end:
                         continue
-                    raise RuntimeError(f"reading {topic}[{partition}]: {message.error()}")
+                    if next_offset < visible_end:
+                        raise RuntimeError(f"{topic}[{partition}] ended at {next_offset}, expected {end}")
+                    gap(end)  # only markers follow the last record
+                    next_offset = end
+                    break
                 offset = message.offset()
+                if offset > next_offset:
+                    gap(min(offset, end))
+                    next_offset = min(offset, end)
                 if offset >= end:
                     break
                 last_progress = time.monotonic()
@@ -335,6 +390,7 @@ def read_partition_range(
                     late=event_time < watermark_ms - allowed_lateness_ms,
                     key=message.key().decode("utf-8", "replace") if message.key() else None,
                     value=message.value() or b"",
+                    gap_end=None,
                 )
                 for name in RAW_SCHEMA.names:
                     rows[name].append(fields[name])

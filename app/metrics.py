@@ -18,6 +18,12 @@ _DEFINITIONS = {
     # name: (kind, description, tag keys)
     "argus_records_ingested": ("counter", "Records written to snapshots", ("topic",)),
     "argus_dlq_records": ("counter", "Records sent to the dead-letter topic", ("topic",)),
+    "argus_records_lost": ("counter", "Records retention deleted before any ingest read them", ("topic",)),
+    "argus_offsets_skipped": (
+        "counter",
+        "Offsets never returned: transaction markers, compaction",
+        ("topic",),
+    ),
     "argus_ingest_records_per_second": ("gauge", "Throughput of the last ingest", ("topic",)),
     "argus_ingest_megabytes_per_second": ("gauge", "Record bytes per second of the last ingest", ("topic",)),
     "argus_consumer_lag_records": (

@@ -88,10 +88,15 @@ class Preprocessor:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         n = len(batch["offset"])
+        # A nullable int column arrives as floats with NaN for "no gap" (or None, as objects).
+        gap_ends = [int(g) if g is not None and g == g else -1 for g in batch["gap_end"]]
         errors = [
-            self._problem(batch["value"][i], batch["label"][i], batch["header_error"][i]) for i in range(n)
+            None
+            if gap_ends[i] >= 0
+            else self._problem(batch["value"][i], batch["label"][i], batch["header_error"][i])
+            for i in range(n)
         ]
-        candidates = [i for i in range(n) if errors[i] is None]
+        candidates = [i for i in range(n) if errors[i] is None and gap_ends[i] < 0]
         values = [batch["value"][i] for i in candidates]
         pixels = self.decoder.map(_decode_or_error, values) if self.decoder else map(_decode_or_error, values)
         decoded: list[np.ndarray] = []
@@ -130,6 +135,7 @@ class Preprocessor:
             )
         }
         out["error"] = np.array(errors, dtype=object)
+        out["gap_end"] = np.array(gap_ends, dtype=np.int64)  # -1: a record; else offsets it declares skipped
         # Dead letters keep their original bytes for the DLQ topic; good rows keep the tensor only.
         out["value"] = np.array([batch["value"][i] if errors[i] else b"" for i in range(n)], dtype=object)
         out["value_size"] = np.array([len(v) for v in batch["value"]], dtype=np.int64)

@@ -159,6 +159,7 @@ def raw_table(values: list[bytes], labels: list[str]):
         "schema": ["ubi.v1"] * n,
         "header_error": [None] * n,
         "late": [False] * n,
+        "gap_end": [None] * n,
     }
     return pa.Table.from_pydict(columns, schema=RAW_SCHEMA)
 

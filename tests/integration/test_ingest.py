@@ -250,3 +250,65 @@ def test_a_snapshot_committed_meanwhile_over_the_same_offsets_aborts_the_commit(
     partition, (start, end) = next(iter(first.offsets.items()))
     with pytest.raises(RuntimeError, match=f"snapshot {first.snapshot_id} was committed meanwhile"):
         check_no_overlap(settings, {partition: (end - 1, end + 3)})
+
+
+def test_transaction_markers_and_aborted_records_are_skipped_offsets_not_a_failure(settings, ray_cluster):
+    """A transactional producer leaves offsets no read_committed consumer receives: a marker after
+    each transaction (the last one at the end of the log, where the reader meets EOF before the
+    end offset) and the records of aborted transactions."""
+    from kafka import KafkaProducer
+
+    from app.kafka import ensure_topics
+
+    ensure_topics(settings.kafka_connection(), settings.topic, settings.dlq_topic, settings.partitions)
+    producer = KafkaProducer(
+        bootstrap_servers=settings.bootstrap_servers, transactional_id=f"tx-{settings.topic}"
+    )
+    producer.init_transactions()
+    committed, aborted = valid_records(12, seed=21), valid_records(4, seed=22)
+    for batch, commit in ((committed[:6], True), (aborted, False), (committed[6:], True)):
+        producer.begin_transaction()
+        for key, value, label, event_time in batch:
+            producer.send(
+                settings.topic,
+                key=key.encode(),
+                value=value,
+                headers=record_headers(label, event_time, "dev-1"),
+            )
+        producer.commit_transaction() if commit else producer.abort_transaction()
+    producer.close()
+
+    report = ingest(settings, IngestConfig(), settings.kafka_connection())
+    assert report.records == 12 and report.dlq == 0
+    manifest = list_manifests(settings)[0]
+    skipped = sum(r.skipped for r in manifest.offsets.values())
+    assert skipped > 0 and all(
+        r.records + r.dlq + r.skipped == r.end - r.start for r in manifest.offsets.values()
+    )
+    rows = snapshot_rows(settings, report.snapshot_id)
+    assert sorted(r["key"] for r in rows) == sorted(key for key, *_ in committed)
+    assert ingest(settings, IngestConfig(), settings.kafka_connection()).snapshot_id is None
+
+
+def test_a_dead_letter_too_large_for_the_dlq_topic_goes_to_storage_with_a_pointer(settings, ray_cluster):
+    import hashlib
+
+    big = bytes(range(256)) * 24  # 6144 bytes, not an image
+    coordinates = send(settings, valid_records(5, seed=31) + [("user-big", big, "normal", 1_700_000_000_000)])
+    report = ingest(settings, IngestConfig(dlq_max_bytes=4000), settings.kafka_connection())
+    assert report.records == 5 and report.dlq == 1
+    [pointer] = consume_all(settings.bootstrap_servers, settings.dlq_topic, 1)
+    headers = {k: v.decode() for k, v in pointer.headers}
+    assert pointer.value == b"" and headers["error"].startswith("undecodable")
+    assert (int(headers["source_partition"]), int(headers["source_offset"])) == coordinates[-1]
+    stored = (
+        settings.local_storage_path
+        / "dlq"
+        / settings.topic
+        / f"{coordinates[-1][0]}-{coordinates[-1][1]}.bin"
+    )
+    assert headers["payload_uri"] == str(stored) and stored.read_bytes() == big
+    assert (
+        headers["payload_size"] == str(len(big))
+        and headers["payload_sha256"] == hashlib.sha256(big).hexdigest()
+    )
