@@ -96,17 +96,27 @@ def _samples(metrics_port: int, names) -> dict[str, list[str]]:
     return {n: [line for line in text.splitlines() if line.startswith((n + "{", n + " "))] for n in names}
 
 
-def scrape(metrics_port: int, *names: str, timeout_s: float = 45) -> dict[str, list[str]]:
-    """Poll Ray's Prometheus endpoint until every metric name has a sample; return their lines."""
+def scrape(metrics_port: int, *names: str, timeout_s: float = 120) -> dict[str, list[str]]:
+    """Poll Ray's Prometheus endpoint until every metric name has a sample; return their lines.
+
+    On 2 loaded cores the node's metrics agent sometimes answers a scrape after more than 30 s:
+    a late answer is retried until the deadline, since what is tested is what gets exported."""
+    import requests
+
     deadline = time.monotonic() + timeout_s
     found: dict[str, list[str]] = {}
+    late = None
     while time.monotonic() < deadline:
-        found = _samples(metrics_port, names)
+        try:
+            found = _samples(metrics_port, names)
+        except requests.RequestException as exc:
+            late = exc
+            continue
         if all(found.values()):
             return found
         time.sleep(1)
-    missing = [n for n, lines in found.items() if not lines]
-    raise AssertionError(f"metrics never exported: {missing}")
+    missing = [n for n, lines in found.items() if not lines] or list(names)
+    raise AssertionError(f"metrics never exported: {missing} (last scrape error: {late})")
 
 
 class MetricsWatcher:

@@ -30,8 +30,12 @@ def s3(settings, s3_bucket, tmp_path):
 
 
 def keys(bucket: str, prefix: str) -> list[str]:
+    """Object keys under `prefix`, without the empty `…/` markers pyarrow leaves for the parent
+    of what it deletes (S3 has no directories; they mean nothing)."""
     pages = s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-    return sorted(item["Key"] for page in pages for item in page.get("Contents", []))
+    return sorted(
+        item["Key"] for page in pages for item in page.get("Contents", []) if not item["Key"].endswith("/")
+    )
 
 
 def snapshot_coordinates(settings) -> list[tuple[int, int]]:
@@ -98,8 +102,7 @@ def test_ingest_killed_at_each_commit_step_reruns_exactly_on_s3(s3, s3_bucket, r
     assert run_cli(*args).stdout.strip().startswith("nothing new")
     coordinates = snapshot_coordinates(s3)
     assert len(coordinates) == 30 and len(set(coordinates)) == 30
-    # (pyarrow leaves an empty marker object for the parent of a folder it deletes: not a snapshot)
-    snapshots = {k.split("/")[2] for k in keys(s3_bucket, "argus/snapshots/") if k.split("/")[2]}
+    snapshots = {k.split("/")[2] for k in keys(s3_bucket, "argus/snapshots/")}
     assert snapshots == {m.snapshot_id for m in list_manifests(s3)}  # the uncommitted folder is gone
 
 
@@ -117,3 +120,28 @@ def test_a_corrupt_manifest_on_s3_is_quarantined_and_its_records_ingested_again(
     assert [m.snapshot_id for m in list_manifests(s3)] == [second.snapshot_id]
     assert keys(s3_bucket, "argus/quarantine/")
     assert sorted(snapshot_coordinates(s3)) == sorted(set(snapshot_coordinates(s3)))
+
+
+def test_the_lease_is_exclusive_on_s3_and_taken_over_only_after_it_expires(s3_bucket):
+    from app.lease import Lease, LeaseHeld, LeaseLost
+
+    root = f"s3://{s3_bucket}/argus/leases/ingest-t"
+    first = Lease(root, ttl_s=2)
+    first.acquire()  # no heartbeat: a writer on another host that stalled
+    with pytest.raises(LeaseHeld):
+        Lease(root).acquire()
+    stale = json.loads(
+        s3_client().get_object(Bucket=s3_bucket, Key=f"argus/leases/ingest-t/{1:012d}.json")["Body"].read()
+    )
+    stale["host"] = "another-host"  # its pid means nothing here: only the expiry counts
+    s3_client().put_object(
+        Bucket=s3_bucket, Key=f"argus/leases/ingest-t/{1:012d}.json", Body=json.dumps(stale)
+    )
+    import time
+
+    time.sleep(2.2)
+    with Lease(root).held() as second:
+        assert second.generation == 2
+        with pytest.raises(LeaseLost, match="taken over"):
+            first.check()
+    assert keys(s3_bucket, "argus/leases/") == [f"argus/leases/ingest-t/{2:012d}.json"]
