@@ -31,7 +31,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _accepts(host: str, port: int) -> bool:
+def accepts(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.5):
             return True
@@ -96,7 +96,7 @@ class EmbeddedBroker:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"broker exited with {self.process.returncode}; see {self.log_path}")
-            if _accepts("127.0.0.1", self.port):
+            if accepts("127.0.0.1", self.port):
                 log.info(
                     "embedded broker pid %d on %s (log: %s)",
                     self.process.pid,
@@ -133,7 +133,7 @@ def recorded_broker(storage_dir: Path) -> str | None:
         state = json.loads(state_path.read_text())
     except (OSError, ValueError):
         return None
-    if _alive(state["pid"]) and _accepts("127.0.0.1", state["port"]):
+    if _alive(state["pid"]) and accepts("127.0.0.1", state["port"]):
         return f"127.0.0.1:{state['port']}"
     return None
 
@@ -160,7 +160,7 @@ def kafka_endpoint(settings):
 
 def run_foreground(storage_dir: Path, port: int) -> int:
     """`python -m app broker`: run until SIGINT/SIGTERM, recording the address for other commands."""
-    if _accepts("127.0.0.1", port):
+    if accepts("127.0.0.1", port):
         raise RuntimeError(f"port {port} is already in use on 127.0.0.1")
     broker = EmbeddedBroker.create(storage_dir, port).start()
     state_path = storage_dir / STATE_FILE

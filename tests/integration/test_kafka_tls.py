@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.broker import EmbeddedBroker, _accepts, free_port
+from app.broker import EmbeddedBroker, accepts, free_port
 from app.config import IngestConfig, ProduceConfig, Settings
 from app.ingest import ingest
 from app.kafka import MAX_MESSAGE_BYTES, partitions_of, probe_end_offsets
@@ -61,7 +61,7 @@ def tls_broker(tmp_path_factory):
     )
     try:
         deadline = time.monotonic() + 20
-        while not _accepts("127.0.0.1", tls_port):
+        while not accepts("127.0.0.1", tls_port):
             assert stunnel.poll() is None, (
                 stunnel_log.read_text() if stunnel_log.exists() else "stunnel exited"
             )
