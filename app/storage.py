@@ -45,17 +45,11 @@ class FileDigest:
 def write_file(fs: pafs.FileSystem, path: str, data: bytes) -> FileDigest:
     """Write `data` at `path`, replacing what is there in one step (a reader sees the old bytes or
     the new, never a mix), durable before this returns; returns its size and digest."""
-    parent = path.rsplit("/", 1)[0]
-    if is_local(fs):  # object stores have no directories (pyarrow would write marker objects)
-        os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)  # a file rename: local disks have it, and nothing else depends on it
-        _fsync_dir(parent)
-    else:
+    if is_local(fs):
+        # A file rename: local disks have it, and nothing else depends on it.
+        os.replace(_durable_temp(path, data), path)
+        _fsync_dir(os.path.dirname(path))
+    else:  # one put; no directories to create (pyarrow's create_dir would write marker objects)
         with fs.open_output_stream(path) as stream:
             stream.write(data)
     return FileDigest(len(data), sha256(data))
@@ -78,7 +72,8 @@ def write_new(uri: str, data: bytes) -> bool:
     return True
 
 
-def _write_new_local(path: str, data: bytes) -> bool:
+def _durable_temp(path: str, data: bytes) -> str:
+    """`data` fsynced into a temporary file beside `path` (same filesystem); returns its path."""
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
@@ -86,6 +81,11 @@ def _write_new_local(path: str, data: bytes) -> bool:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
+    return tmp
+
+
+def _write_new_local(path: str, data: bytes) -> bool:
+    tmp = _durable_temp(path, data)
     try:
         os.link(tmp, path)  # atomic, and fails if `path` exists: create-if-absent with full content
         created = True
@@ -93,7 +93,7 @@ def _write_new_local(path: str, data: bytes) -> bool:
         created = False
     finally:
         os.unlink(tmp)
-    _fsync_dir(parent)
+    _fsync_dir(os.path.dirname(path))
     return created
 
 
