@@ -89,18 +89,22 @@ def ray_cluster(s3_endpoint):
     ray.shutdown()
 
 
-def _samples(metrics_port: int, names) -> dict[str, list[str]]:
+# Ray's metrics endpoint is a single-threaded WSGI server that renders every series the session has
+# made (Ray Data alone adds ~100 KB per dataset: 25 MB and 3 s idle after 150). A request the client
+# abandons still occupies it, so on loaded cores short timeouts pile up into a backlog that never
+# drains. Wait for each answer instead, one request at a time.
+SCRAPE_TIMEOUT_S = 180
+
+
+def _samples(metrics_port: int, names, timeout_s: float = SCRAPE_TIMEOUT_S) -> dict[str, list[str]]:
     import requests
 
-    text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text
+    text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=timeout_s).text
     return {n: [line for line in text.splitlines() if line.startswith((n + "{", n + " "))] for n in names}
 
 
-def scrape(metrics_port: int, *names: str, timeout_s: float = 120) -> dict[str, list[str]]:
-    """Poll Ray's Prometheus endpoint until every metric name has a sample; return their lines.
-
-    On 2 loaded cores the node's metrics agent sometimes answers a scrape after more than 30 s:
-    a late answer is retried until the deadline, since what is tested is what gets exported."""
+def scrape(metrics_port: int, *names: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> dict[str, list[str]]:
+    """Poll Ray's Prometheus endpoint until every metric name has a sample; return their lines."""
     import requests
 
     deadline = time.monotonic() + timeout_s
@@ -108,9 +112,10 @@ def scrape(metrics_port: int, *names: str, timeout_s: float = 120) -> dict[str, 
     late = None
     while time.monotonic() < deadline:
         try:
-            found = _samples(metrics_port, names)
+            found = _samples(metrics_port, names, max(1.0, deadline - time.monotonic()))
         except requests.RequestException as exc:
             late = exc
+            time.sleep(1)
             continue
         if all(found.values()):
             return found
@@ -139,9 +144,9 @@ class MetricsWatcher:
             try:
                 for name, lines in _samples(self.metrics_port, self.names).items():
                     self.seen[name] += [line for line in lines if self.match in line]
-            except requests.RequestException:  # a busy agent answers late; the next poll catches up
+            except requests.RequestException:  # the agent restarting; the next poll catches up
                 pass
-            if self._stop.wait(0.5):
+            if self._stop.wait(1):
                 return
 
     def __enter__(self) -> MetricsWatcher:
