@@ -99,12 +99,20 @@ def _train(settings: Settings, args) -> int:
 
     cfg = from_namespace(TrainConfig, args)
     require_local_gpu(settings, cfg.use_gpu)
+    if cfg.weights:  # a file that does not fit the backbone fails here, in one line, not in the workers
+        from app.model import build_model
+
+        build_model(settings.model, 2, weights=cfg.weights)
     with ray_session(settings):
         report = train(settings, cfg)
     print(
         f"registered {settings.model_name} v{report.version} (run {report.run_id}): "
-        f"val_accuracy {report.metrics['val_accuracy']:.3f} after {report.epochs} epochs"
+        f"val_accuracy {report.metrics['val_accuracy']:.3f}, test_accuracy "
+        f"{report.metrics['test_accuracy']:.3f} after {report.epochs} epochs"
     )
+    if report.verdict is not None:
+        outcome = "promoted" if report.verdict.promoted else "not promoted"
+        print(f"v{report.version} {outcome}: {report.verdict.reason}")
     return 0
 
 

@@ -195,6 +195,9 @@ class IngestConfig:
     """The ingest lease's expiry: a writer that stops renewing it loses it after this long."""
     strict: bool = False
     """Fail instead of continuing when retention deleted records before they were ingested."""
+    keep_source: bool = False
+    """Keep each record's encoded image in the snapshot (`source`): training at another
+    `--image-size` then resizes from the snapshot, without needing Kafka's retention."""
 
     def __post_init__(self) -> None:
         _require(self.max_record_bytes > 0, "--max-record-bytes must be > 0")
@@ -224,15 +227,23 @@ class TrainConfig:
     snapshots: tuple[str, ...] | None = None
     """Snapshot ids to train on; None means all."""
     val_fraction: float = 0.2
-    """Latest share of records by event time held out for validation."""
+    """Newest share of records by event time held out: its older half validates (picks the epoch),
+    its newest half tests (judges promotion); see `app.selection`."""
     balance: str = "weights"
     """Uneven classes: `weights` (class-weighted loss), `sampler` (oversample) or `none`."""
-    augment: bool = True
+    augment: str = "light"
+    """`none`, `light` (screenshots: no flips, mild zoom/shift, colour) or `strong`."""
+    weight_decay: float = 0.05
+    label_smoothing: float = 0.0
+    warmup_fraction: float = 0.1
+    """Share of the steps of linear warmup before the cosine decay."""
+    weights: str | None = None
+    """Local ResNet state dict the backbone starts from (resnet18/resnet50); every tensor must fit."""
     run_name: str | None = None
     """Rerunning with the same name resumes from its last checkpoint."""
     max_failures: int = 2
     promote_if_better: bool = False
-    """Move the serving alias to the new version only if it beats the champion on the newest slice."""
+    """Move the serving alias to the new version only if it beats the champion on the test slice."""
     fail_at_epoch: int | None = None
     """Fault injection: rank 1 dies mid-way through this epoch on the first attempt."""
 
@@ -257,6 +268,10 @@ class TrainConfig:
         _require(self.lr > 0, "--lr must be > 0")
         _require(0 < self.val_fraction < 1, "--val-fraction must be in (0, 1)")
         _require(self.balance in ("weights", "sampler", "none"), "--balance must be weights, sampler or none")
+        _require(self.augment in ("none", "light", "strong"), "--augment must be none, light or strong")
+        _require(self.weight_decay >= 0, "--weight-decay must be >= 0")
+        _require(0 <= self.label_smoothing < 1, "--label-smoothing must be in [0, 1)")
+        _require(0 <= self.warmup_fraction < 1, "--warmup-fraction must be in [0, 1)")
         _require(self.max_failures >= 0, "--max-failures must be >= 0")
 
     @property

@@ -2,10 +2,11 @@
 
 Embedded broker → synthetic records → Ray Data ingest → snapshot → Ray Train (2 CPU workers,
 small CNN, 64 px) → MLflow registry → Ray Serve on 127.0.0.1 → predictions over HTTP →
-federated fine-tuning (Flower clients on Ray actors) → a rollout to the federated version under
-steady traffic, counting failed requests. The Ray dashboard runs alongside (its URL is printed
-first); `--hold` keeps the dashboard and the endpoint up at the end until Ctrl-C. It uses
-`<storage>/demo` as its own sandbox and stops everything it started.
+federated fine-tuning (Flower clients on Ray actors) with `--promote-if-better` → a rollout to the
+federated version under steady traffic, counting failed requests, only if it beat the champion on
+the test slice (else one line saying which version stays and why). The Ray dashboard runs
+alongside (its URL is printed first); `--hold` keeps the dashboard and the endpoint up at the end
+until Ctrl-C. It uses `<storage>/demo` as its own sandbox and stops everything it started.
 """
 
 from __future__ import annotations
@@ -110,25 +111,49 @@ def run_demo(settings: Settings, args) -> int:
             timings["serve"] = time.perf_counter() - t
             assert version == body["model_version"]
 
-            t = _step("federated fine-tuning: Flower clients as Ray actors, users as clients, FedAvg")
-            federated = federate(
-                settings,
-                FederateConfig(
-                    rounds=args.rounds, clients=8, clients_per_round=4, init_from="champion", seed=7
-                ),
+            t = _step(
+                "federated fine-tuning: Flower clients as Ray actors, users as clients, FedAvg; "
+                "promoted only if better than the champion on the test slice"
             )
-            print(federated)
-            timings["federate"] = time.perf_counter() - t
-
-            t = _step(f"rolling out v{federated.version} under steady traffic")
-            answers = _rollout_under_traffic(settings, url, sample.value, federated.version)
-            failed = sum(1 for status, _ in answers if status != 200)
-            served = [v for _, v in answers]
-            print(
-                f"{len(answers)} requests during the rollout, {failed} failed; versions served in order: "
-                f"{' → '.join(dict.fromkeys(served))}"
-            )
-            timings["rollout"] = time.perf_counter() - t
+            traffic = _Traffic(url, sample.value)
+            try:
+                # The alias moves inside federate (only to a better model): traffic runs from just before.
+                federated = federate(
+                    settings,
+                    FederateConfig(
+                        rounds=args.rounds,
+                        clients=8,
+                        clients_per_round=4,
+                        init_from="champion",
+                        seed=7,
+                        promote_if_better=True,
+                    ),
+                    before_promotion=traffic.start,
+                )
+                print(federated)  # its last line: promoted, or which version stays and why
+                timings["federate"] = time.perf_counter() - t
+                verdict = federated.verdict
+                if verdict.promoted:
+                    t = _step(f"rolling out v{federated.version} under steady traffic")
+                    print(f"{settings.model_name}@champion → v{federated.version}")
+                    wait_for_version(url, federated.version)
+                    time.sleep(1.0)
+                    answers = traffic.stop()
+                    failed = sum(1 for status, _ in answers if status != 200)
+                    served = [v for _, v in answers]
+                    print(
+                        f"{len(answers)} requests during the rollout, {failed} failed; versions served in "
+                        f"order: {' → '.join(dict.fromkeys(served))}"
+                    )
+                    timings["rollout"] = time.perf_counter() - t
+                    outcome = f"serving federated v{federated.version}: {verdict.reason}"
+                else:
+                    outcome = (
+                        f"serving v{verdict.champion_version}, federated v{federated.version} not rolled "
+                        f"out: {verdict.reason}"
+                    )
+            finally:
+                traffic.stop()
             if args.hold:
                 held_s = _hold(url, dashboard_url)
             from ray import serve
@@ -139,6 +164,7 @@ def run_demo(settings: Settings, args) -> int:
             broker.stop()
     total = time.perf_counter() - started - held_s
     print("\n== done in {:.0f}s ({})".format(total, ", ".join(f"{k} {v:.0f}s" for k, v in timings.items())))
+    print(outcome)
     print(f"snapshots and checkpoints: {settings.local_storage_path}")
     if not args.hold:
         print(
@@ -183,33 +209,35 @@ def _hold(url: str, dashboard_url: str | None) -> float:
     return time.perf_counter() - started
 
 
-def _rollout_under_traffic(settings: Settings, url: str, image: bytes, version: str) -> list[tuple[int, str]]:
-    """Promote `version` while a client posts predictions back to back; return every answer."""
-    import requests
+class _Traffic:
+    """Predictions posted back to back from a thread while the alias may move; every answer's
+    (status, model_version) is kept."""
 
-    from app import registry
-    from app.serve import wait_for_version
+    def __init__(self, url: str, image: bytes):
+        self.url, self.image = url, image
+        self.answers: list[tuple[int, str]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    answers: list[tuple[int, str]] = []
-    stop = threading.Event()
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._post, daemon=True)
+        self._thread.start()
+        time.sleep(1.0)  # some answers from the version served before
 
-    def traffic():
-        while not stop.is_set():
+    def stop(self) -> list[tuple[int, str]]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return self.answers
+
+    def _post(self) -> None:
+        import requests
+
+        while not self._stop.is_set():
             try:
                 response = requests.post(
-                    f"{url}/predict", data=image, headers={"Content-Type": "image/png"}, timeout=30
+                    f"{self.url}/predict", data=self.image, headers={"Content-Type": "image/png"}, timeout=30
                 )
-                answers.append((response.status_code, response.json().get("model_version", "?")))
+                self.answers.append((response.status_code, response.json().get("model_version", "?")))
             except requests.RequestException as exc:
-                answers.append((0, type(exc).__name__))
-
-    client = threading.Thread(target=traffic, daemon=True)
-    client.start()
-    time.sleep(1.0)
-    registry.promote(settings.tracking_uri, settings.model_name, version)
-    print(f"{settings.model_name}@champion → v{version}")
-    wait_for_version(url, version)
-    time.sleep(1.0)
-    stop.set()
-    client.join()
-    return answers
+                self.answers.append((0, type(exc).__name__))

@@ -8,7 +8,7 @@ image (`<storage>/traffic/*.jsonl`). The reference is the same statistics over t
 alias's version was trained on, and their label distribution. Each feature's population
 stability index (PSI, reference quantile bins) above `--threshold` counts as drift. `--retrain`
 submits `ingest → train --promote-if-better` as a Ray job, so the alias moves only when the new
-version beats the champion on the newest event-time slice.
+version beats the champion on the test slice (`app.selection`).
 """
 
 from __future__ import annotations
@@ -95,8 +95,10 @@ def reference_statistics(
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """Image statistics of every record the version was trained on, and its label shares."""
     import ray.data
+    import torch
 
     from app.snapshot import data_file_uris, read_manifest
+    from app.transform import normalize_pixels
 
     manifests = [read_manifest(settings, s["snapshot_id"]) for s in card.snapshots]
     paths = data_file_uris(settings, manifests)
@@ -105,7 +107,8 @@ def reference_statistics(
         paths, columns=["image"], file_extensions=["parquet"], ray_remote_args={"num_cpus": 0.25}
     )
     for batch in dataset.iter_batches(batch_size=256, batch_format="numpy"):
-        images = np.asarray(batch["image"], dtype=np.float32)
+        # Serving measures the normalised tensor the model sees: measure the snapshots' pixels so too.
+        images = normalize_pixels(torch.from_numpy(np.asarray(batch["image"]))).numpy()
         means, stds = images.mean(axis=(2, 3)), images.std(axis=(2, 3), ddof=1)
         for i, channel in enumerate("rgb"):
             columns[f"mean_{channel}"].append(means[:, i])

@@ -255,6 +255,10 @@ def ingest(settings: Settings, cfg: IngestConfig, connection: kafka.KafkaConnect
     Parquet under the new snapshot's folder, re-read the ledger, commit the manifest, then mirror
     the offsets into the consumer group. A second ingest started meanwhile writes nothing."""
     started = time.perf_counter()
+    if cfg.features and cfg.weights:
+        from app.model import feature_backbone
+
+        feature_backbone(cfg.weights)  # a file that does not fit fails here, in one line, not in an actor
     kafka.ensure_topics(
         connection, settings.topic, settings.dlq_topic, settings.partitions, settings.replication_factor
     )
@@ -312,6 +316,7 @@ def _ingest_holding(
         features_weights=cfg.weights,
         allowed_lateness_s=cfg.allowed_lateness_s,
         lost=pending.lost,
+        keep_source=cfg.keep_source,
     )
     skipped = sum(r.skipped for r in manifest.offsets.values())
     if skipped:

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from app.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 FEATURE_DIM = 2048
@@ -68,7 +70,13 @@ class FeatureHead(nn.Module):
         return self.head(features)
 
 
-def _load_weights(model: nn.Module, weights: str | None, strict: bool = False) -> None:
+class WeightsMismatch(ConfigError):
+    """A weights file whose tensors do not fit the architecture (names or shapes)."""
+
+
+def _load_weights(model: nn.Module, weights: str | None, skip: tuple[str, ...] = ()) -> None:
+    """Load every tensor of `model` from `weights` (but the `skip` prefixes, which the model
+    replaces): a missing, unexpected or misshapen tensor is a WeightsMismatch, never a log line."""
     if weights is None:
         warnings.warn(
             f"no pretrained weights given for {type(model).__name__}: using random "
@@ -76,11 +84,26 @@ def _load_weights(model: nn.Module, weights: str | None, strict: bool = False) -
             stacklevel=3,
         )
         return
-    state = load_state_dict(weights)
-    missing, unexpected = model.load_state_dict(state, strict=strict)
-    log.info(
-        "loaded weights from %s (missing %d, unexpected %d keys)", weights, len(missing), len(unexpected)
-    )
+    try:
+        state = {k: v for k, v in load_state_dict(weights).items() if not k.startswith(skip)}
+    except Exception as exc:
+        raise WeightsMismatch(f"--weights {weights}: not a readable state dict ({exc})") from None
+    expected = {k: v.shape for k, v in model.state_dict().items() if not k.startswith(skip)}
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    misshapen = sorted(k for k in expected.keys() & state.keys() if state[k].shape != expected[k])
+    if missing or unexpected or misshapen:
+
+        def few(names):
+            return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+
+        raise WeightsMismatch(
+            f"--weights {weights} does not fit {type(model).__name__}: {len(missing)} missing "
+            f"({few(missing)}), {len(unexpected)} unexpected ({few(unexpected)}), "
+            f"{len(misshapen)} of another shape ({few(misshapen)})"
+        )
+    model.load_state_dict(state, strict=False)
+    log.info("loaded all %d tensors from %s", len(state), weights)
 
 
 def feature_backbone(weights: str | None = None) -> nn.Module:
@@ -91,7 +114,7 @@ def feature_backbone(weights: str | None = None) -> nn.Module:
         torch.manual_seed(BACKBONE_SEED)
         backbone = torchvision.models.resnet50(weights=None)
     backbone.fc = nn.Identity()
-    _load_weights(backbone, weights)
+    _load_weights(backbone, weights, skip=("fc.",))
     return backbone
 
 
@@ -113,7 +136,7 @@ def build_model(
     if name in ("resnet18", "resnet50"):
         model = getattr(torchvision.models, name)(weights=None)
         if weights is not None:
-            _load_weights(model, weights)
+            _load_weights(model, weights, skip=("fc.",))  # the classifier is new: other classes
         model.fc = nn.Linear(model.fc.in_features, num_classes)
         return model
     raise ValueError(f"unknown model {name!r}")
@@ -166,35 +189,50 @@ def train_epoch(
     amp: torch.dtype | None = None,
     scaler: torch.amp.GradScaler | None = None,
     grad_accum: int = 1,
+    scheduler=None,
 ) -> dict[str, float]:
     """One pass; an optimiser step every `grad_accum` micro-batches, gradient sync only on that one.
 
     Under DDP, `no_sync()` skips the all-reduce on the other micro-batches, so K micro-batches cost
-    one all-reduce and give the gradient of one K× larger batch (loss divided by K).
+    one all-reduce. Each step's gradient is the example-weighted mean over the micro-batches of its
+    window, whatever its real size: the last window of an epoch may hold fewer than K micro-batches
+    (and its last micro-batch fewer examples), and is not divided by K. `scheduler` steps with the
+    optimiser.
     """
     model.train()
     total_loss, total_examples, correct = 0.0, 0, 0
     optimizer.zero_grad(set_to_none=True)
-    micro = 0
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    micro, nominal, window_examples = 0, 0, 0
     for micro, ((inputs, targets), is_last) in enumerate(_lookahead(batches), start=1):
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        n = len(targets)
+        nominal = nominal or n  # gradients stay at a mean batch's scale (fp16 loss scaling expects it)
         step_now = micro % grad_accum == 0 or is_last
         sync = contextlib.nullcontext() if step_now or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
                 logits = model(inputs)
             loss = loss_fn(logits.float(), targets)
-            scaled = loss / grad_accum
-            (scaler.scale(scaled) if scaler else scaled).backward()
+            weighted = loss * (n / nominal)
+            (scaler.scale(weighted) if scaler else weighted).backward()
+        window_examples += n
         if step_now:
+            rescale = nominal / window_examples  # the sum of example-weighted losses → their mean
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(rescale)
             if scaler:
                 scaler.step(optimizer)
                 scaler.update()
             else:
                 optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-        total_loss += loss.item() * len(targets)
-        total_examples += len(targets)
+            window_examples = 0
+        total_loss += loss.item() * n
+        total_examples += n
         correct += (logits.argmax(1) == targets).sum().item()
     return {
         "loss": total_loss / max(total_examples, 1),
@@ -202,6 +240,34 @@ def train_epoch(
         "examples": total_examples,
         "micro_batches": micro,
     }
+
+
+def warmup_cosine(optimizer, total_steps: int, warmup_fraction: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over the first `warmup_fraction` of the steps, then cosine decay to zero at
+    `total_steps` (held there if a run takes more steps). Its state, the step count, is what a
+    checkpoint saves to continue the schedule."""
+    import math
+
+    total = max(1, total_steps)
+    warmup = int(total * warmup_fraction)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def adamw(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW with weight decay on weight matrices and kernels only: decaying biases and
+    normalisation scales only fights the normalisation."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() > 1]
+    rest = [p for p in trainable if p.dim() <= 1]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
 
 
 def _lookahead(iterable: Iterable) -> Iterator[tuple[object, bool]]:

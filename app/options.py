@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from app.config import AMP_MODES, MODELS
+from app.transform import AUGMENT_MODES
 
 
 def _csv(text: str) -> tuple[str, ...] | None:
@@ -82,6 +83,12 @@ def add_ingest(parser) -> None:
         default=None,
         help="fail when retention deleted records before they were ingested (default: record and go on)",
     )
+    parser.add_argument(
+        "--keep-source",
+        action="store_true",
+        default=None,
+        help="keep each encoded image in the snapshot, so training at another --image-size needs no Kafka",
+    )
 
 
 def add_train(parser) -> None:
@@ -103,15 +110,18 @@ def add_train(parser) -> None:
     parser.add_argument(
         "--balance", choices=["weights", "sampler", "none"], help="uneven classes (default weights)"
     )
-    parser.add_argument("--no-augment", dest="augment", action="store_false", default=None)
+    parser.add_argument(
+        "--augment", choices=AUGMENT_MODES, help="light (default): no flips, mild zoom/shift and colour"
+    )
+    parser.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0.05)")
+    parser.add_argument("--label-smoothing", type=float, help="cross-entropy label smoothing (default 0)")
+    parser.add_argument(
+        "--warmup-fraction", type=float, help="share of steps warming up before cosine decay (default 0.1)"
+    )
+    parser.add_argument("--weights", help="local ResNet state dict to start the backbone from")
     parser.add_argument("--run-name", help="rerunning with the same name resumes it")
     parser.add_argument("--max-failures", type=int, help="worker failures to recover from (default 2)")
-    parser.add_argument(
-        "--promote-if-better",
-        action="store_true",
-        default=None,
-        help="move the alias if the new version beats the champion on the newest event-time slice",
-    )
+    add_promote_if_better(parser)
     parser.add_argument("--fail-at-epoch", type=int, help=argparse.SUPPRESS)
 
 
@@ -140,6 +150,20 @@ def add_federate(parser) -> None:
     parser.add_argument("--run-name", help="rerunning with the same name resumes after its last round")
     parser.add_argument(
         "--num-cpus-per-client", type=float, help="logical CPUs per client actor (default 0.5)"
+    )
+    parser.add_argument("--augment", choices=AUGMENT_MODES, help="client augmentation (default light)")
+    parser.add_argument(
+        "--val-fraction", type=float, help="newest share by event time held out (default 0.2)"
+    )
+    add_promote_if_better(parser)
+
+
+def add_promote_if_better(parser) -> None:
+    parser.add_argument(
+        "--promote-if-better",
+        action="store_true",
+        default=None,
+        help="move the alias only if the new version beats the champion on the test slice",
     )
 
 

@@ -103,6 +103,9 @@ class ModelCard:
     snapshots: list[dict]
     """[{snapshot_id, offsets: {partition: {start, end}}}] the version was trained on."""
     metrics: dict
+    split: dict | None = None
+    """The event-time split (`app.selection.EventTimeSplit`): which records picked the model and
+    which judged it; None for versions registered before the split existed."""
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=2, sort_keys=True)
@@ -143,6 +146,16 @@ def register(
         client.set_registered_model_alias(model_name, alias_if_first, version)
         log.info("%s v%s is the first version: alias %r points at it", model_name, version, alias_if_first)
     return str(version)
+
+
+def record_metrics(
+    tracking_uri: str, model_name: str, version: str, run_id: str, metrics: dict[str, float]
+) -> None:
+    """Figures measured after registration (the test-slice comparison): on the run and the version."""
+    client = _mlflow(tracking_uri).MlflowClient()
+    for key, value in metrics.items():
+        client.log_metric(run_id, key, value)
+        client.set_model_version_tag(model_name, version, f"metric.{key}", f"{value:.4f}")
 
 
 def _aliases(client, model_name: str) -> dict:

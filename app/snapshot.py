@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "_manifest.json"
 FORMAT = "argus.snapshot.v1"
+PIXELS = "uint8"
+"""What the `image` column of the snapshots this code writes holds."""
 
 
 class CorruptSnapshot(RuntimeError):
@@ -182,6 +184,11 @@ class Manifest:
     """{min, max, late_records, allowed_lateness_s}."""
     value_bytes: int
     files: list[DataFile]
+    pixels: str = "float32"
+    """The `image` column: `uint8` pixels [3, S, S]; manifests without the field (written before
+    pixel snapshots) hold ImageNet-normalised float32."""
+    source: bool = False
+    """Whether each row keeps its encoded image (`source`), from which any image size can be cut."""
     format: str = FORMAT
 
     @classmethod
@@ -219,6 +226,7 @@ def build_manifest(
     features_weights: str | None,
     allowed_lateness_s: float,
     lost: dict[int, int] | None = None,
+    keep_source: bool = False,
 ) -> Manifest:
     """The manifest of a finished write, after proving every offset of every range landed once.
 
@@ -256,6 +264,8 @@ def build_manifest(
         normalization={"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)},
         features=features,
         features_weights=features_weights if features else None,
+        pixels=PIXELS,
+        source=keep_source,
         event_time={
             "min": stats.event_min,
             "max": stats.event_max,
@@ -386,7 +396,8 @@ def write_offsets_file(settings: Settings, group: str, ends: dict[int, int]) -> 
 
 
 def select_snapshots(settings: Settings, wanted: tuple[str, ...] | None) -> list[Manifest]:
-    """The topic's snapshots with records (or exactly `wanted`), all at `settings.image_size`."""
+    """The topic's snapshots with records (or exactly `wanted`), all of uint8 pixels at
+    `settings.image_size`, or all keeping their source images (any size is then cut from those)."""
     manifests = [m for m in list_manifests(settings) if m.topic == settings.topic and m.records > 0]
     if wanted:
         by_id = {m.snapshot_id: m for m in manifests}
@@ -396,10 +407,17 @@ def select_snapshots(settings: Settings, wanted: tuple[str, ...] | None) -> list
         manifests = [by_id[s] for s in wanted]
     if not manifests:
         raise ValueError(f"no snapshots with records under {settings.uri('snapshots')}: run `ingest` first")
-    sizes = {m.image_size for m in manifests}
-    if sizes != {settings.image_size}:
+    old = [m.snapshot_id for m in manifests if m.pixels != PIXELS]
+    if old:
         raise ValueError(
-            f"snapshots have image sizes {sorted(sizes)} but --image-size is {settings.image_size}"
+            f"snapshots {old} hold normalised float32 images from before pixel snapshots; ingest their "
+            "records again into a new --storage (the offset ledger is per storage) while Kafka keeps them"
+        )
+    sizes = {m.image_size for m in manifests}
+    if sizes != {settings.image_size} and not all(m.source for m in manifests):
+        raise ValueError(
+            f"snapshots have image sizes {sorted(sizes)} but --image-size is {settings.image_size} "
+            "(ingest with --keep-source to train at other sizes)"
         )
     return manifests
 

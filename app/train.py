@@ -2,10 +2,13 @@
 
     python -m app train --model cnn --image-size 64 --epochs 3 --num-workers 2
 
-Data streams from Parquet through Ray Data into each worker's shard. The newest `--val-fraction`
-of records by event time is held out, so validation looks like tomorrow's traffic. Every epoch
-checkpoints model, optimiser, scaler, RNG state and lineage; a lost worker restarts the group from
-the last checkpoint; ranks compare parameter checksums and the run fails loudly if they differ.
+Data streams from Parquet through Ray Data into each worker's shard. Snapshots hold uint8
+pixels: each step augments (`--augment`) and normalises its batch on the worker's device. The newest
+`--val-fraction` of records by event time is held out (`app.selection`): its older half picks the
+best epoch, its newest half, never seen by that choice, judges promotion. AdamW with a warmup-then-
+cosine schedule per step. Every epoch checkpoints model, optimiser, schedule, scaler, RNG state and
+lineage; a lost worker restarts the group from the last checkpoint; ranks compare parameter
+checksums and the run fails loudly if they differ.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,15 +31,20 @@ from app import metrics as dashboard
 from app import model as core
 from app import registry
 from app.config import Settings, TrainConfig
+from app.selection import TEST, TRAIN, VALIDATION, EventTimeSplit, Verdict, promote_if_better
 from app.snapshot import Manifest, data_file_uris, discover_classes, select_snapshots
-from app.transform import augment, encode_labels
+from app.transform import augment, decode_pixels, encode_labels, normalize_pixels, resize_pixels
 
 if TYPE_CHECKING:
+    import ray.data
     import ray.train
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.pt"
+MATERIALIZE_SHARE = 0.25
+"""Train and validation slices that fit in this share of the object store are held there."""
+FEATURE_BYTES = core.FEATURE_DIM * 4
 
 
 # ---------------------------------------------------------------- what runs on each worker
@@ -53,11 +62,15 @@ class WorkerConfig:
     epochs: int
     batch_size: int
     lr: float
+    weight_decay: float
+    label_smoothing: float
+    warmup_fraction: float
+    train_records: int
     seed: int
     amp: str
     grad_accum: int
     balance: str
-    augment: bool
+    augment: str
     class_weights: tuple[float, ...]
     snapshot_ids: tuple[str, ...]
     threads: int
@@ -70,20 +83,30 @@ class WorkerConfig:
     def input_column(self) -> str:
         return "features" if self.features else "image"
 
+    def steps_per_epoch(self, world_size: int) -> int:
+        """Optimiser steps of one epoch for this worker group (what the schedule is laid out over)."""
+        batches = -(-self.train_records // (self.batch_size * world_size))
+        return max(1, -(-batches // self.grad_accum))
+
 
 def _batches(shard, cfg: WorkerConfig, device: torch.device, generator: torch.Generator, training: bool):
+    """(inputs, targets) on `device`: uint8 pixels arrive as they are stored (a quarter of float32's
+    bytes through Ray Data) and are augmented and normalised there, in one batched op each."""
     column = cfg.input_column
     for batch in shard.iter_torch_batches(
-        batch_size=cfg.batch_size, drop_last=False, dtypes={column: torch.float32, "label_index": torch.int64}
+        batch_size=cfg.batch_size,
+        drop_last=False,
+        dtypes={column: torch.float32 if cfg.features else torch.uint8, "label_index": torch.int64},
+        device=device,
     ):
         inputs, targets = batch[column], batch["label_index"]
         if training and cfg.balance == "sampler":
             # Streaming data has no global index, so balance within each batch by resampling.
-            weights = torch.as_tensor(cfg.class_weights)[targets]
-            pick = torch.multinomial(weights, len(targets), replacement=True, generator=generator)
+            weights = torch.as_tensor(cfg.class_weights)[targets.cpu()]
+            pick = torch.multinomial(weights, len(targets), replacement=True, generator=generator).to(device)
             inputs, targets = inputs[pick], targets[pick]
-        if training and cfg.augment and not cfg.features:
-            inputs = augment(inputs, generator)
+        if not cfg.features:
+            inputs = normalize_pixels(augment(inputs, cfg.augment, generator) if training else inputs)
         yield inputs, targets
 
 
@@ -116,6 +139,9 @@ def _maybe_inject_fault(cfg: WorkerConfig, epoch: int, step: int, steps_hint: in
         return
     marker = Path(cfg.fault_marker)
     if step >= max(1, steps_hint // 2) and not marker.exists():
+        # Die once the controller holds the previous epoch's checkpoint: Ray Train registers a
+        # report only when it polls the workers, and a worker that dies first takes it along.
+        ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(str(time.time()))
         log.error("fault injection: rank 1 exits mid-epoch %d", epoch)
@@ -139,19 +165,25 @@ def train_loop_per_worker(config: dict) -> None:
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     model = ray.train.torch.prepare_model(model)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    optimizer = core.adamw(model, cfg.lr, cfg.weight_decay)
+    # Laid out over the steps of the group that starts the run; a resumed run continues its count.
+    scheduler = core.warmup_cosine(
+        optimizer, cfg.epochs * cfg.steps_per_epoch(context.get_world_size()), cfg.warmup_fraction
+    )
     amp = core.amp_dtype(cfg.amp, device)
     scaler = torch.amp.GradScaler(device.type) if amp == torch.float16 else None
     weights = torch.tensor(cfg.class_weights, dtype=torch.float32, device=device)
-    loss_fn = nn.CrossEntropyLoss(weight=weights if cfg.balance == "weights" else None)
+    loss_fn = nn.CrossEntropyLoss(
+        weight=weights if cfg.balance == "weights" else None, label_smoothing=cfg.label_smoothing
+    )
 
     start_epoch, history = 0, []
     checkpoint = ray.train.get_checkpoint()
     if checkpoint:
-        with checkpoint.as_directory() as directory:
-            state = torch.load(Path(directory, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
+        state = _load_checkpoint(checkpoint)
         core.unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
         if scaler and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"][rank % len(state["rng"])])
@@ -173,7 +205,9 @@ def train_loop_per_worker(config: dict) -> None:
             amp=amp,
             scaler=scaler,
             grad_accum=cfg.grad_accum,
+            scheduler=scheduler,
         )
+        train_seconds = time.perf_counter() - started
         val = core.evaluate(
             model,
             _batches(ray.train.get_dataset_shard("val"), cfg, device, generator, False),
@@ -193,7 +227,12 @@ def train_loop_per_worker(config: dict) -> None:
             "val_examples": int(support.sum()),
             "epoch_seconds": seconds,
             "images_per_second": stats["examples"] * context.get_world_size() / seconds,
+            # The training pass alone, data path included (the epoch adds validation and a checkpoint).
+            "train_images_per_second": stats["examples"] * context.get_world_size() / train_seconds,
             "workers": context.get_world_size(),
+            "lr": scheduler.get_last_lr()[0],
+            "steps": scheduler.last_epoch,
+            "finished_at": time.time(),
             "checksum": checksum,
             "per_class_recall": recall,
         }
@@ -213,6 +252,7 @@ def train_loop_per_worker(config: dict) -> None:
                     {
                         "model": core.unwrap(model).state_dict(),
                         "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
                         "scaler": scaler.state_dict() if scaler else None,
                         "epoch": epoch,
                         "rng": [torch.get_rng_state()],
@@ -244,38 +284,64 @@ class TrainReport:
     epochs: int
     classes: list[str]
     checksum: str
+    verdict: Verdict | None = None
+    """The test-slice comparison with the champion, when `--promote-if-better` asked for it."""
+
+
+@dataclass
+class Datasets:
+    """The three event-time slices of the snapshots, as Ray datasets of (input, label_index)."""
+
+    train: ray.data.Dataset
+    val: ray.data.Dataset
+    test: ray.data.Dataset
+    split: EventTimeSplit
 
 
 def build_datasets(
     settings: Settings, manifests: list[Manifest], classes: list[str], val_fraction: float, features: bool
-):
-    """Train and validation datasets, split at the event-time quantile (newest slice validates)."""
+) -> Datasets:
+    """Train, validation and test datasets cut at event-time quantiles (`app.selection`)."""
     import ray.data
 
     ray.data.DataContext.get_current().execution_options.preserve_order = True  # reproducible shards
     paths = data_file_uris(settings, manifests)  # only the files the manifests list, checked
     column = "features" if features else "image"
+    # Snapshots cut at another size keep their sources (`select_snapshots` checked): resize those.
+    resize = not features and any(m.image_size != settings.image_size for m in manifests)
+    stored = "source" if resize else column
+    size = settings.image_size
     read_args = {"file_extensions": ["parquet"], "ray_remote_args": {"num_cpus": 0.25}}
     times = ray.data.read_parquet(paths, columns=["event_time", "label"], **read_args).to_pandas()
-    times = times[times["label"].isin(classes)]["event_time"].to_numpy()
-    cutoff = int(np.quantile(times, 1 - val_fraction))
-    dataset = ray.data.read_parquet(paths, columns=[column, "label", "event_time"], **read_args)
+    split = EventTimeSplit.of(times[times["label"].isin(classes)]["event_time"].to_numpy(), val_fraction)
+    dataset = ray.data.read_parquet(paths, columns=[stored, "label", "event_time"], **read_args)
 
-    def newest_slice(newest: bool):
+    def event_slice(wanted: int):
         # One 0.25-CPU map does label filter, split and projection: a separate filter or
         # select_columns op would schedule 1-CPU tasks that a busy small cluster never fits.
         def keep(batch):
-            rows = np.isin(batch["label"], classes) & ((batch["event_time"] >= cutoff) == newest)
+            rows = np.isin(batch["label"], classes) & (split.slice_of(batch["event_time"]) == wanted)
             if rows.any():  # an empty tensor column would not convert to Arrow
-                yield {
-                    column: batch[column][rows],
-                    "label_index": encode_labels(batch["label"][rows], classes),
-                }
+                inputs = batch[stored][rows]
+                if resize:
+                    inputs = resize_pixels([decode_pixels(v) for v in inputs], size).numpy()
+                yield {column: inputs, "label_index": encode_labels(batch["label"][rows], classes)}
 
         return dataset.map_batches(keep, batch_format="numpy", num_cpus=0.25)
 
-    train, val = newest_slice(False), newest_slice(True)
-    return train, val, cutoff, int((times < cutoff).sum()), int((times >= cutoff).sum())
+    train, val, test = event_slice(TRAIN), event_slice(VALIDATION), event_slice(TEST)
+    record_bytes = FEATURE_BYTES if features else 3 * size * size  # uint8 pixels
+    if (split.train + split.val) * record_bytes <= MATERIALIZE_SHARE * _object_store_bytes():
+        # Read, filter and cut once, not once per epoch: the epochs then stream from memory and
+        # no read task competes with the training workers for the cores.
+        train, val = train.materialize(), val.materialize()
+    return Datasets(train, val, test, split)
+
+
+def _object_store_bytes() -> float:
+    import ray
+
+    return ray.cluster_resources().get("object_store_memory", 0)
 
 
 def class_weights(manifests: list[Manifest], classes: list[str]) -> list[float]:
@@ -295,14 +361,19 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
     if len(classes) < 2:
         raise ValueError(f"training needs at least two classes; the snapshots have {classes}")
     features = all(m.features for m in manifests)
-    backbone_weights = manifests[0].features_weights if features else None
+    backbone_weights = manifests[0].features_weights if features else cfg.weights
     arch = "resnet50" if features else settings.model
-    train_ds, val_ds, cutoff, n_train, n_val = build_datasets(
-        settings, manifests, classes, cfg.val_fraction, features
+    data = build_datasets(settings, manifests, classes, cfg.val_fraction, features)
+    split = data.split
+    log.info(
+        "training on %d records; the newest %d pick the epoch (event time >= %d), the %d after them "
+        "judge it (event time >= %d)",
+        split.train,
+        split.val,
+        split.val_from,
+        split.test,
+        split.test_from,
     )
-    if n_val == 0 or n_train == 0:
-        raise ValueError(f"the event-time split left {n_train} train and {n_val} validation records")
-    log.info("training on %d records, validating on the newest %d (event time >= %d)", n_train, n_val, cutoff)
 
     run_name = cfg.run_name or time.strftime("train-%Y%m%d-%H%M%S")
     storage_path = settings.uri("checkpoints", "train")
@@ -317,6 +388,10 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
         epochs=cfg.epochs,
         batch_size=cfg.batch_size,
         lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        label_smoothing=cfg.label_smoothing,
+        warmup_fraction=cfg.warmup_fraction,
+        train_records=split.train,
         seed=cfg.seed,
         amp=cfg.amp,
         grad_accum=cfg.grad_accum,
@@ -327,7 +402,7 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
         threads=max(1, int(cfg.cpus_per_worker)) if not cfg.use_gpu else 4,
         fail_at_epoch=cfg.fail_at_epoch,
         fault_marker=f"{storage_path}/{run_name}/.fault-fired",
-        steps_per_epoch_hint=max(1, n_train // (cfg.batch_size * cfg.max_workers)),
+        steps_per_epoch_hint=max(1, split.train // (cfg.batch_size * cfg.max_workers)),
     )
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -346,7 +421,7 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
                 num_to_keep=2, checkpoint_score_attribute="val_accuracy", checkpoint_score_order="max"
             ),
         ),
-        datasets={"train": train_ds, "val": val_ds},
+        datasets={"train": data.train, "val": data.val},
         dataset_config=_data_config(cfg),
     )
     result = trainer.fit()
@@ -357,6 +432,14 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
     history = _load_checkpoint(result.checkpoint)["history"]  # the latest one has every epoch
     net = core.build_model(arch, len(classes), features=features, weights=backbone_weights)
     net.load_state_dict(state["model"])
+    test_accuracy = partial(_accuracy_on, data.test, "features" if features else "image", len(classes))
+    candidate_accuracy = test_accuracy(net.eval())
+    log.info(
+        "best epoch %d: validation %.3f, test slice %.3f",
+        best_metrics["epoch"],
+        best_metrics["val_accuracy"],
+        candidate_accuracy,
+    )
 
     card = registry.ModelCard(
         arch=arch,
@@ -367,9 +450,11 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
         snapshots=[m.lineage() for m in manifests],
         metrics={
             "val_accuracy": best_metrics["val_accuracy"],
+            "test_accuracy": candidate_accuracy,
             "train_loss": best_metrics["train_loss"],
             "epoch": best_metrics["epoch"],
         },
+        split=split.to_dict(),
     )
     params = {
         **{k: v for k, v in asdict(cfg).items() if k != "snapshots"},
@@ -387,13 +472,32 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
         params=params,
         history=history,
         step="epoch",
-        metrics=recall,
+        metrics={
+            **recall,
+            "best_val_accuracy": best_metrics["val_accuracy"],
+            "test_accuracy": candidate_accuracy,
+        },
         title=f"{run_name} ({settings.model})",
     )
     version = registry.register(settings.tracking_uri, settings.model_name, run_id, net, card)
+    verdict = None
     if cfg.promote_if_better:
-        promote_if_better(settings, version, best_metrics["val_accuracy"], val_ds, card)
-    return TrainReport(version, run_id, best_metrics, len(history), classes, history[-1]["checksum"])
+        verdict = promote_if_better(settings, version, run_id, card, candidate_accuracy, test_accuracy)
+    report_metrics = {**best_metrics, "test_accuracy": candidate_accuracy}
+    return TrainReport(
+        version, run_id, report_metrics, len(history), classes, history[-1]["checksum"], verdict
+    )
+
+
+def _accuracy_on(dataset, column: str, num_classes: int, model: nn.Module) -> float:
+    """A model's accuracy on a dataset of stored inputs, normalised as the training step does."""
+
+    def batches():
+        for batch in dataset.iter_torch_batches(batch_size=256):
+            inputs = batch[column]
+            yield (inputs.float() if column == "features" else normalize_pixels(inputs)), batch["label_index"]
+
+    return core.evaluate(model, batches(), num_classes, device=torch.device("cpu"))["accuracy"]
 
 
 def _data_config(cfg: TrainConfig) -> ray.train.DataConfig:
@@ -413,35 +517,7 @@ def _data_config(cfg: TrainConfig) -> ray.train.DataConfig:
     )
 
 
-def promote_if_better(settings: Settings, version: str, accuracy: float, val_ds, card) -> bool:
-    """Move the alias to `version` if it beats the champion on the same newest event-time slice."""
-    champion = registry.resolve(settings.tracking_uri, settings.model_name, "champion")
-    if champion is not None and champion != version:
-        current = registry.load(settings.tracking_uri, settings.model_name, champion)
-        if (current.card.classes, current.card.image_size, current.card.features) != (
-            card.classes,
-            card.image_size,
-            card.features,
-        ):
-            log.warning(
-                "champion v%s has other classes, image size or inputs: not comparable; alias kept", champion
-            )
-            return False
-        column = "features" if card.features else "image"
-        batches = ((b[column], b["label_index"]) for b in val_ds.iter_torch_batches(batch_size=128))
-        champion_accuracy = core.evaluate(
-            current.model, batches, len(card.classes), device=torch.device("cpu")
-        )["accuracy"]
-        log.info(
-            "newest slice: v%s %.3f vs champion v%s %.3f", version, accuracy, champion, champion_accuracy
-        )
-        if accuracy <= champion_accuracy:
-            return False
-    registry.promote(settings.tracking_uri, settings.model_name, version)
-    log.info("promoted v%s to champion", version)
-    return True
-
-
 def _load_checkpoint(checkpoint) -> dict:
+    """A checkpoint's state: tensors and plain containers only (weights_only), never pickled code."""
     with checkpoint.as_directory() as directory:
-        return torch.load(Path(directory, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
+        return torch.load(Path(directory, CHECKPOINT_FILE), map_location="cpu", weights_only=True)

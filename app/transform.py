@@ -1,6 +1,7 @@
 """The one transform, shared by ingest, training, federated clients and serving (no Ray here).
 
-    encoded JPEG/PNG/WebP bytes → decode_pixels → uint8 HWC → normalize → float32 [N, 3, size, size]
+    encoded JPEG/PNG/WebP bytes → decode_pixels → uint8 HWC → resize_pixels → uint8 [N, 3, size, size]
+        (what snapshots store) → augment (training) → normalize_pixels → float32 model input
 
 Decoding needs only Pillow and numpy; torch is imported where tensors start, so an ingest actor
 decodes its first batch while torch is still importing.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,12 +56,13 @@ def decode_image(value: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Imag
         raise BadImage(f"undecodable image: {type(exc).__name__}: {exc}") from exc
 
 
-def normalize(images: Sequence[np.ndarray], size: int, device: str | torch.device = "cpu") -> torch.Tensor:
-    """uint8 HWC pixels → float32 [N, 3, size, size]: resize (bilinear, antialiased), ImageNet-normalise.
+def resize_pixels(
+    images: Sequence[np.ndarray], size: int, device: str | torch.device = "cpu"
+) -> torch.Tensor:
+    """uint8 HWC pixels → uint8 [N, 3, size, size] (bilinear, antialiased): what snapshots store.
 
     Resizes while the pixels are still uint8 (torch's vectorised integer path, several times faster
-    than resizing float copies) and normalises the whole batch in one op. Runs where the tensors
-    are sent, so GPU actors do the resize and normalisation on the GPU.
+    than resizing float copies). Runs where the tensors are sent, so GPU actors resize on the GPU.
     """
     import torch
 
@@ -68,9 +71,22 @@ def normalize(images: Sequence[np.ndarray], size: int, device: str | torch.devic
         resized[i] = resize_uint8(
             torch.from_numpy(image).to(device, non_blocking=True).permute(2, 0, 1), size
         )
-    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
-    std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
-    return resized.float().sub_(mean).div_(std)
+    return resized
+
+
+def normalize_pixels(pixels: torch.Tensor) -> torch.Tensor:
+    """Pixel values [N, 3, H, W] (uint8, or floats on the 0–255 scale) → ImageNet-normalised float32,
+    in one op on the tensor's device: the training step and serving both end with it."""
+    import torch
+
+    mean = torch.tensor(IMAGENET_MEAN, device=pixels.device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(IMAGENET_STD, device=pixels.device).view(1, 3, 1, 1) * 255
+    return pixels.float().sub_(mean).div_(std) if pixels.dtype == torch.uint8 else (pixels - mean) / std
+
+
+def normalize(images: Sequence[np.ndarray], size: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """uint8 HWC pixels → float32 [N, 3, size, size]: `resize_pixels`, then `normalize_pixels`."""
+    return normalize_pixels(resize_pixels(images, size, device))
 
 
 def resize_uint8(image: torch.Tensor, size: int) -> torch.Tensor:
@@ -119,21 +135,92 @@ def encode_labels(labels: Iterable[str], classes: Sequence[str]) -> np.ndarray:
     return np.array([index[label] for label in labels], dtype=np.int64)
 
 
-def augment(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Random resized crop, horizontal flip and brightness/contrast jitter, on normalised batches."""
-    import torch
-    import torchvision.transforms.v2.functional as F
+@dataclass(frozen=True)
+class Augmentation:
+    """Ranges of one augmentation mode; each image of a batch draws its own values."""
 
-    n, _, h, w = images.shape
-    out = torch.empty_like(images)
-    scales = torch.empty(n).uniform_(0.6, 1.0, generator=generator)
-    for i in range(n):
-        ch, cw = max(1, int(h * scales[i].sqrt())), max(1, int(w * scales[i].sqrt()))
-        top = int(torch.randint(0, h - ch + 1, (1,), generator=generator))
-        left = int(torch.randint(0, w - cw + 1, (1,), generator=generator))
-        out[i] = F.resized_crop(images[i], top, left, ch, cw, [h, w], antialias=True)
-    flip = torch.rand(n, generator=generator) < 0.5
-    out[flip] = out[flip].flip(-1)
-    contrast = torch.empty(n, 1, 1, 1).uniform_(0.8, 1.2, generator=generator)
-    brightness = torch.empty(n, 1, 1, 1).uniform_(-0.2, 0.2, generator=generator)
-    return out * contrast.to(out.device) + brightness.to(out.device)
+    zoom: tuple[float, float]
+    """Scale factor of the content (>1 zooms in: 1/sqrt(0.6) crops to 60 % of the area)."""
+    shift: float
+    """Largest translation, as a fraction of the side."""
+    rotate_deg: float
+    flip: bool
+    brightness: float
+    contrast: float
+    saturation: float
+
+
+AUGMENTATIONS = {
+    "none": None,
+    # Screenshots: text and window layouts are not mirror-symmetric and sit near the same place, so
+    # no flips, small zoom and shift, and the colour shifts of different themes and displays.
+    "light": Augmentation(
+        zoom=(0.92, 1.08),
+        shift=0.04,
+        rotate_deg=0,
+        flip=False,
+        brightness=0.15,
+        contrast=0.15,
+        saturation=0.1,
+    ),
+    # Natural-image style: crops down to 60 % of the area, flips, small rotations, strong jitter.
+    "strong": Augmentation(
+        zoom=(1.0, 1.29),
+        shift=0.1,
+        rotate_deg=10,
+        flip=True,
+        brightness=0.3,
+        contrast=0.3,
+        saturation=0.3,
+    ),
+}
+
+
+AUGMENT_MODES = tuple(AUGMENTATIONS)
+
+
+def augment(pixels: torch.Tensor, mode: str | Augmentation, generator: torch.Generator) -> torch.Tensor:
+    """uint8 pixels [N, 3, H, W] → augmented pixel values (float32, 0–255) in pixel space, batched.
+
+    One affine warp (`grid_sample`) and one colour jitter for the whole batch, each image with its
+    own random parameters (drawn on the CPU from `generator`, so runs are reproducible), on the
+    batch's device. `mode` names one of AUGMENTATIONS or gives the ranges; `none` returns the pixels
+    as floats."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    spec = AUGMENTATIONS[mode] if isinstance(mode, str) else mode
+    images = pixels.float()
+    if spec is None:
+        return images
+    n = len(images)
+
+    def uniform(low: float, high: float) -> torch.Tensor:
+        return torch.empty(n).uniform_(low, high, generator=generator)
+
+    zoom = uniform(*spec.zoom)
+    angle = uniform(-spec.rotate_deg, spec.rotate_deg) * (math.pi / 180)
+    flip = torch.where(torch.rand(n, generator=generator) < 0.5, -1.0, 1.0) if spec.flip else torch.ones(n)
+    # affine_grid maps output coordinates to input ones: zooming in by z samples a 1/z-wide window.
+    theta = torch.zeros(n, 2, 3)
+    theta[:, 0, 0] = angle.cos() / zoom * flip
+    theta[:, 0, 1] = -angle.sin() / zoom
+    theta[:, 1, 0] = angle.sin() / zoom * flip
+    theta[:, 1, 1] = angle.cos() / zoom
+    theta[:, :, 2] = torch.stack([uniform(-spec.shift, spec.shift), uniform(-spec.shift, spec.shift)], 1) * 2
+    grid = F.affine_grid(theta.to(images.device), list(images.shape), align_corners=False)
+    images = F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+    def per_image(values: torch.Tensor) -> torch.Tensor:
+        return values.view(n, 1, 1, 1).to(images.device)
+
+    gray = (images * torch.tensor([0.299, 0.587, 0.114], device=images.device).view(1, 3, 1, 1)).sum(
+        1, keepdim=True
+    )
+    images = gray + (images - gray) * per_image(uniform(1 - spec.saturation, 1 + spec.saturation))
+    mean = gray.mean((2, 3), keepdim=True)
+    images = mean + (images - mean) * per_image(uniform(1 - spec.contrast, 1 + spec.contrast))
+    images = images * per_image(uniform(1 - spec.brightness, 1 + spec.brightness))
+    return images.clamp_(0, 255)

@@ -4,12 +4,13 @@
     .venv/bin/python bench/fl.py --repeats 3 --rounds 4 --skip-memory
 
 A synthetic snapshot (5,000 records of 1,400 users at 32 px, laid out as ingest writes one) is
-written once under /tmp/argus-bench-fl.
+written once under /tmp/argus-bench-fl-u8.
 1. Round wall time. `federate` (Flower ServerApp + FedAvg behind the guard, the ClientApp in Ray
    actors of 1 CPU, fp16 updates, per-round checkpoints) against a plain loop in this process, no
    Ray and no Flower, that trains the same clients in turn with the same
    `app.fl.task.local_train`, takes the example-weighted mean and evaluates with
-   `app.fl.task.local_evaluate`. Every client trains and evaluates every round on both sides. The
+   `app.fl.task.local_evaluate`, and the server scores the test slice (`app.fl.central_test`).
+   Every client trains and evaluates every round on both sides. The
    first round pays for actor start-up and data loading, so steady rounds are compared: the fastest
    of rounds 2.. of a run (a noisy neighbour can only slow a round down), then the median over
    alternating runs. Goal ≤ 1.2×.
@@ -33,30 +34,28 @@ from pathlib import Path
 import _common as common
 from _common import ROOT, alternate, goal_line, median_of, print_table
 
-STORAGE = Path("/tmp/argus-bench-fl")
+STORAGE = Path("/tmp/argus-bench-fl-u8")  # -u8: uint8 pixel snapshots, not the old floats
 TOPIC, SNAPSHOT, SIZE = "bench-fl", "snap-bench-fl", 32
 TIME_GOAL, MEMORY_GOAL = 1.2, 1.5
 
 
 def make_snapshot(records: int, users: int) -> None:
     """A snapshot as ingest lays one out (Parquet + manifest), straight from the generator."""
-    import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
     from ray.data.extensions import ArrowTensorArray
 
-    from app.snapshot import MANIFEST, WriteStats, build_manifest
+    from app import storage
+    from app.snapshot import MANIFEST, DataFile, WriteStats, build_manifest
     from app.synth import generate
-    from app.transform import preprocess
+    from app.transform import decode_pixels, resize_pixels
 
     root = STORAGE / "snapshots" / SNAPSHOT
     if (root / MANIFEST).exists():
         return
     started = time.perf_counter()
     rows = list(generate(records, seed=7, users=users, size=SIZE))
-    images = np.concatenate(
-        [preprocess([r.value for r in rows[i : i + 256]], SIZE).numpy() for i in range(0, len(rows), 256)]
-    )
+    images = resize_pixels([decode_pixels(r.value) for r in rows], SIZE).numpy()
     table = pa.table(
         {
             "partition": pa.array([0] * len(rows), pa.int32()),
@@ -68,13 +67,16 @@ def make_snapshot(records: int, users: int) -> None:
         }
     )
     (root / "event_date=bench").mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, root / "event_date=bench" / "part-0.parquet")
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer)
+    data = buffer.getvalue().to_pybytes()
+    (root / "event_date=bench" / "part-0.parquet").write_bytes(data)
     stats = WriteStats()
     for offset in range(len(rows)):
         stats.partition(0).add(offset, dead_letter=False)
     stats.labels.update(r.label for r in rows)
     stats.add_event_times(min(r.event_time_ms for r in rows), max(r.event_time_ms for r in rows))
-    stats.files.append("event_date=bench/part-0.parquet")
+    stats.files.append(DataFile("event_date=bench/part-0.parquet", len(data), storage.sha256(data)))
     manifest = build_manifest(
         settings(),
         SNAPSHOT,
@@ -104,19 +106,23 @@ def sequential_fedavg(cfg) -> list[float]:
     import torch
 
     from app import model as core
-    from app.fl.task import exchanged_keys, load_client_data, local_evaluate, local_train
+    from app.fl import central_test
+    from app.fl.task import exchanged_keys, load_client_data, local_evaluate, local_train, model_arrays
     from app.snapshot import read_manifest, snapshot_uri
 
     classes = tuple(read_manifest(settings(), SNAPSHOT).classes)
     uris = (snapshot_uri(settings(), SNAPSHOT),)
     torch.manual_seed(cfg.seed)
     global_model = core.build_model("cnn", len(classes))
+    split, central = central_test(
+        list(uris), list(classes), cfg.val_fraction, global_model, torch.device("cpu")
+    )
     local, keys, datasets = copy.deepcopy(global_model), exchanged_keys(global_model), {}
 
     def data_of(client):  # loaded once, as an actor's cache does
         if client not in datasets:
             datasets[client] = load_client_data(
-                uris, client, cfg.clients, cfg.seed, classes, cfg.val_fraction
+                uris, client, cfg.clients, cfg.seed, classes, split.val_from, split.test_from
             )
         return datasets[client]
 
@@ -145,6 +151,7 @@ def sequential_fedavg(cfg) -> list[float]:
         global_model.load_state_dict({k: origin[k] + summed[k] / total for k in keys}, strict=False)
         for client in range(cfg.clients):
             local_evaluate(global_model, data_of(client), len(classes))
+        central(server_round, model_arrays(global_model))  # as federate's server judges every round
         seconds.append(time.perf_counter() - started)
     return seconds
 
@@ -165,7 +172,7 @@ def memory_child(clients: int) -> None:
             clients_per_round=10,
             evaluate_clients=10,
             local_epochs=1,
-            augment=False,
+            augment="none",
             run_name=f"bench-memory-{clients}-{time.time_ns()}",
         )
         report = federate(settings(), cfg)
@@ -224,7 +231,7 @@ def main() -> int:
         clients_per_round=args.clients,
         local_epochs=1,
         batch_size=32,
-        augment=False,
+        augment="none",
         num_cpus_per_client=1.0,
         seed=1,
     )

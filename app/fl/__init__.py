@@ -2,9 +2,12 @@
 
     python -m app federate --model cnn --image-size 64 --rounds 5 --clients 10 --clients-per-round 5
 
-`federate` deals the snapshots' users into clients, runs Flower rounds (`server_app`) on our Ray
-actors (`grid`, running `client_app` over `task`), checkpoints every round (`checkpoint`), and
-logs and registers the result. Design and reasons: docs/federated.md.
+`federate` splits the snapshots' labelled records by event time (`app.selection`), deals the
+users into clients (which read only records before the test slice), runs Flower rounds
+(`server_app`) on our Ray actors (`grid`, running `client_app` over `task`), evaluates the global
+model on the test slice after every round, checkpoints every round (`checkpoint`), logs and
+registers the result, and with `--promote-if-better` moves the alias only to a better model.
+Design and reasons: docs/federated.md.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
+import numpy as np
+import pyarrow.compute as pc
 import torch
 from flwr.app import Context, RecordDict
 from torch import nn
@@ -25,11 +31,18 @@ from app.config import ConfigError, Settings
 from app.fl.checkpoint import load_checkpoint
 from app.fl.config import MEAN_STRATEGIES, FederateConfig, FederateReport
 from app.fl.grid import RayGrid, pool_size, stamp_task_identity
-from app.fl.server_app import Federation, GaussianAccountant, build_server_app, build_strategy
-from app.fl.task import model_arrays
+from app.fl.server_app import (
+    CentralEvaluation,
+    Federation,
+    GaussianAccountant,
+    build_server_app,
+    build_strategy,
+)
+from app.fl.task import labelled_rows, model_arrays
+from app.selection import EventTimeSplit, promote_if_better
 from app.snapshot import Manifest, discover_classes, read_rows, select_snapshots, snapshot_uri
 
-__all__ = ["FederateConfig", "FederateReport", "federate"]
+__all__ = ["FederateConfig", "FederateReport", "central_test", "federate"]
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +81,28 @@ def _initial_model(
     return loaded.model.train(), version
 
 
-def federate(settings: Settings, cfg: FederateConfig) -> FederateReport:
-    """`python -m app federate`: rounds of Flower FL on Ray actors → checkpoints → a registered version."""
+def central_test(
+    uris: list[str], classes: list[str], val_fraction: float, model: nn.Module, device: torch.device
+) -> tuple[EventTimeSplit, CentralEvaluation]:
+    """The event-time split of all labelled records of the snapshots, as centralised training cuts
+    it, and the server's evaluation on its test slice (read once, on the driver, as uint8)."""
+    rows = read_rows(uris, ["event_time"], pc.field("label").isin(classes))
+    try:
+        split = EventTimeSplit.of(np.asarray(rows.column("event_time").to_numpy()), val_fraction)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    test_x, test_y, _ = labelled_rows(uris, classes, pc.field("event_time") >= split.test_from)
+    return split, CentralEvaluation(model, test_x, test_y, len(classes), device)
+
+
+def federate(
+    settings: Settings, cfg: FederateConfig, *, before_promotion: Callable[[], None] | None = None
+) -> FederateReport:
+    """`python -m app federate`: rounds of Flower FL on Ray actors → checkpoints → a registered version
+    → with `promote_if_better`, the alias moved only to a better model.
+
+    `before_promotion` runs just before the alias may move (the demo starts its traffic there, so a
+    rollout happens under it)."""
     try:
         manifests = select_snapshots(settings, cfg.snapshots)
     except ValueError as exc:
@@ -97,6 +130,7 @@ def federate(settings: Settings, cfg: FederateConfig) -> FederateReport:
         "strategy": cfg.strategy,
         "dp_noise": cfg.dp_noise,
         "dp_clip": cfg.dp_clip,
+        "val_fraction": cfg.val_fraction,
     }
     checkpoint = load_checkpoint(checkpoint_uri)
     if checkpoint is None:
@@ -120,6 +154,7 @@ def federate(settings: Settings, cfg: FederateConfig) -> FederateReport:
         log.warning(
             "--strategy %s with DP noise: epsilon is not reported (no mean, no accountant)", cfg.strategy
         )
+    split, central = central_test(uris, classes, cfg.val_fraction, model, core.local_device())
     fed = Federation(
         cfg=cfg,
         model=model,
@@ -128,6 +163,8 @@ def federate(settings: Settings, cfg: FederateConfig) -> FederateReport:
         snapshot_uris=uris,
         checkpoint_uri=checkpoint_uri,
         fingerprint=fingerprint,
+        val_from=split.val_from,
+        test_from=split.test_from,
         run_name=run_name,
         init_version=init_version,
         start_round=start_round,
@@ -145,7 +182,7 @@ def federate(settings: Settings, cfg: FederateConfig) -> FederateReport:
                 num_gpus=cfg.num_gpus_per_client,
             )
             try:
-                build_server_app(fed, build_strategy(cfg))(
+                build_server_app(fed, build_strategy(cfg), evaluate_fn=central)(
                     grid=grid,
                     context=Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),
                 )
@@ -155,7 +192,9 @@ def federate(settings: Settings, cfg: FederateConfig) -> FederateReport:
     else:
         log.info("run %s already finished %d rounds; registering its model", run_name, fed.start_round)
         wire, num_actors = {}, 0
-    return _finish(settings, cfg, fed, run_name, manifests, wire, num_actors)
+    return _finish(
+        settings, cfg, fed, run_name, manifests, wire, num_actors, split, central, before_promotion
+    )
 
 
 @contextlib.contextmanager
@@ -179,12 +218,19 @@ def _finish(
     manifests: list[Manifest],
     wire: dict,
     num_actors: int,
+    split: EventTimeSplit,
+    central: CentralEvaluation,
+    before_promotion: Callable[[], None] | None,
 ) -> FederateReport:
-    """MLflow run (params, per-round metrics, curves) and a registered version, training kind `federated`."""
+    """MLflow run (params, per-round metrics, curves), a registered version of training kind
+    `federated` whose card carries its test-slice figures, and the champion comparison if asked."""
     history = fed.history
     last = history[-1]
     epsilon = fed.accountant.get_privacy_spent().epsilon if fed.accountant else None
     metrics = {k: last[k] for k in ("val_accuracy", "val_loss", "train_loss") if k in last}
+    # The registered weights' own score (the last row's too, unless it came from an older checkpoint).
+    test = central(len(history), fed.arrays)
+    metrics.update({k: float(v) for k, v in test.items()})
     metrics.update(
         {
             "rounds": len(history),
@@ -209,6 +255,9 @@ def _finish(
             "snapshots": ",".join(m.snapshot_id for m in manifests),
             "init_version": fed.init_version,
             "resumed_from": fed.start_round,
+            "split_val_from": split.val_from,
+            "split_test_from": split.test_from,
+            "split_test_records": split.test,
         },
         tags={"training_kind": "federated", "fl.checkpoints": fed.checkpoint_uri},
     )
@@ -222,6 +271,18 @@ def _finish(
         metrics=metrics,
     )
     version = registry.register(settings.tracking_uri, settings.model_name, run_id, fed.model.eval(), card)
+    verdict = None
+    if cfg.promote_if_better:
+        if before_promotion is not None:
+            before_promotion()
+        verdict = promote_if_better(
+            settings,
+            version,
+            run_id,
+            card,
+            metrics["test_accuracy"],
+            lambda candidate: central.evaluate(candidate)["accuracy"],
+        )
     return FederateReport(
         version=version,
         run_id=run_id,
@@ -236,4 +297,6 @@ def _finish(
         checkpoint_dir=fed.checkpoint_uri,
         init_version=fed.init_version,
         num_actors=num_actors,
+        test_split=split.to_dict(),
+        verdict=verdict,
     )

@@ -39,7 +39,8 @@ def _client_state(message: Message, context: Context) -> tuple[int, ConfigRecord
         int(context.node_config[NUM_PARTITIONS_KEY]),
         int(config["seed"]),
         tuple(config["classes"]),
-        float(config["val-fraction"]),
+        int(config["val-from"]),
+        int(config["test-from"]),
     )
     if key in _DATA:
         _DATA.move_to_end(key)
@@ -84,7 +85,7 @@ def client_train(message: Message, context: Context) -> Message:
         lr=float(config["lr"]),
         mu=float(config.get("proximal-mu", 0.0)),
         seed=seed,
-        augment=bool(config["augment"]),
+        augment=str(config["augment"]),
         batches_hook=_crash_after_first if fault == "crash" else None,
         device=core.local_device(),
     )

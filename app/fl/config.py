@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from app.config import ConfigError
 from app.fl.task import UPDATE_DTYPES
+from app.selection import Verdict
+from app.transform import AUGMENTATIONS
 
 STRATEGIES = ("fedavg", "fedprox", "fedmedian", "fedtrimmedavg", "krum")
 MEAN_STRATEGIES = ("fedavg", "fedprox")
@@ -55,10 +57,16 @@ class FederateConfig:
     snapshots: tuple[str, ...] | None = None
     """Snapshot ids; None means all of the topic's."""
     val_fraction: float = 0.2
-    """Each client's newest share of records by event time, held out for evaluation."""
+    """The newest share of all labelled records by event time, held out (`app.selection`): its
+    older half validates on the clients, its newest half is the server's test slice, which no
+    client ever reads. Centralised training splits the same way."""
     evaluate_clients: int | None = None
     """Clients sampled for evaluation each round; None means all of them."""
-    augment: bool = True
+    augment: str = "light"
+    """Client augmentation mode: none, light or strong (`app.transform.AUGMENTATIONS`)."""
+    promote_if_better: bool = False
+    """After registering, move the serving alias to the new version only if it beats the champion
+    on the test slice (`app.selection.promote_if_better`)."""
     num_cpus_per_client: float = 0.5
     """Logical CPUs per client actor (fractions pack several on a core)."""
     num_gpus_per_client: float = 0.0
@@ -115,6 +123,10 @@ class FederateConfig:
         )
         require(0 < self.val_fraction < 1, "--val-fraction must be in (0, 1)")
         require(
+            self.augment in AUGMENTATIONS,
+            f"--augment must be one of {', '.join(AUGMENTATIONS)}, got {self.augment!r}",
+        )
+        require(
             self.evaluate_clients is None or 1 <= self.evaluate_clients <= self.clients,
             f"--evaluate-clients must be in 1..{self.clients}",
         )
@@ -157,14 +169,24 @@ class FederateReport:
     checkpoint_dir: str
     init_version: str | None
     num_actors: int
+    test_split: dict
+    """The central event-time split (`EventTimeSplit.to_dict()`): boundaries and slice sizes."""
+    verdict: Verdict | None = None
+    """The champion comparison under --promote-if-better; None when not asked."""
 
     def __str__(self) -> str:
         last = self.history[-1]
         privacy = f", epsilon {self.epsilon:.2f}" if self.epsilon is not None else ""
         resumed = f" (resumed after round {self.resumed_from})" if self.resumed_from else ""
-        accuracy = self.metrics.get("val_accuracy", float("nan"))
-        return (
+        val, test = self.metrics.get("val_accuracy", float("nan")), self.metrics["test_accuracy"]
+        text = (
             f"registered v{self.version} (run {self.run_id}, federated {self.run_name}): "
-            f"val_accuracy {accuracy:.3f} after {len(self.history)} rounds"
+            f"val_accuracy {val:.3f}, test_accuracy {test:.3f} after {len(self.history)} rounds"
             f"{resumed}; {last['bytes_up'] / 1e6:.2f} MB up in the last round{privacy}"
         )
+        verdict = self.verdict
+        if verdict is not None and verdict.promoted:
+            text += f"\npromoted v{self.version} to the serving alias: {verdict.reason}"
+        elif verdict is not None:
+            text += f"\nkept v{verdict.champion_version} as champion, not v{self.version}: {verdict.reason}"
+        return text

@@ -1,19 +1,22 @@
-"""The server: the guard in front of Flower's strategies, the privacy accountant, and the rounds as
-a Flower `ServerApp` (sample → train → guard + aggregate → evaluate → checkpoint)."""
+"""The server: the guard in front of Flower's strategies, the privacy accountant, the server-side
+evaluation on the central test slice, and the rounds as a Flower `ServerApp` (sample → train →
+guard + aggregate → evaluate on clients → evaluate centrally → checkpoint)."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import math
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.serverapp import GaussianPrivacyEvent, Grid, PrivacySpent, ServerApp
 from flwr.serverapp import strategy as flwr_strategy
 from torch import nn
@@ -22,7 +25,7 @@ from tqdm import tqdm
 from app import metrics
 from app.fl.checkpoint import save_checkpoint
 from app.fl.config import FederateConfig
-from app.fl.task import load_arrays
+from app.fl.task import CPU, evaluate_pixels, load_arrays
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +221,40 @@ class GaussianAccountant:
         )
 
 
+# ---------------------------------------------------------------- server-side evaluation
+
+
+class CentralEvaluation:
+    """The global model judged on the central test slice, on the server, after every round.
+
+    Called as Flower's `Strategy.start(evaluate_fn=...)` calls its hook, `(round, arrays) →
+    MetricRecord` (`test_accuracy`, `test_loss`); `evaluate(model)` scores any model on the same
+    rows (the champion, when `--promote-if-better` compares). Pixels stay uint8 and are normalised
+    batch by batch on `device`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        num_classes: int,
+        device: torch.device = CPU,
+    ):
+        self.model = copy.deepcopy(model).to(device)  # the caller's model keeps its weights and device
+        self.images, self.labels, self.num_classes, self.device = images, labels, num_classes, device
+
+    def evaluate(self, model: nn.Module) -> dict:
+        return evaluate_pixels(
+            model.to(self.device), self.images, self.labels, self.num_classes, device=self.device
+        )
+
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        load_arrays(self.model, arrays)
+        result = self.evaluate(self.model)
+        return MetricRecord({"test_accuracy": float(result["accuracy"]), "test_loss": float(result["loss"])})
+
+
 # ---------------------------------------------------------------- the rounds
 
 
@@ -257,6 +294,10 @@ class Federation:
     snapshot_uris: list[str]
     checkpoint_uri: str
     fingerprint: dict
+    val_from: int
+    """Event time at which the central split's validation slice starts."""
+    test_from: int
+    """Event time at which the central test slice starts: no client reads a record from it on."""
     run_name: str = ""
     init_version: str | None = None
     start_round: int = 0
@@ -270,7 +311,8 @@ class Federation:
             "classes": list(self.classes),
             "snapshots": list(self.snapshot_uris),
             "seed": cfg.seed,
-            "val-fraction": cfg.val_fraction,
+            "val-from": self.val_from,
+            "test-from": self.test_from,
             "local-epochs": cfg.local_epochs,
             "batch-size": cfg.batch_size,
             "lr": cfg.lr,
@@ -301,10 +343,17 @@ class Federation:
         )
 
 
-def build_server_app(fed: Federation, strategy: GuardedStrategy) -> ServerApp:
-    """The rounds, as a Flower ServerApp: sample → train → guard + aggregate → evaluate → checkpoint.
+def build_server_app(
+    fed: Federation,
+    strategy: GuardedStrategy,
+    evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+) -> ServerApp:
+    """The rounds, as a Flower ServerApp: sample → train → guard + aggregate → evaluate on the
+    clients → `evaluate_fn` on the server → checkpoint.
 
-    The grid must be a `RayGrid`: each row reads its `last` traffic."""
+    `evaluate_fn` is the hook of Flower's `Strategy.start`, called where it calls it (after each
+    round's client evaluation; the round-0 call is left out, since rows are rounds). Its metrics
+    join the round's row. The grid must be a `RayGrid`: each row reads its `last` traffic."""
     server_app = ServerApp()
     cfg = fed.cfg
 
@@ -337,6 +386,7 @@ def build_server_app(fed: Federation, strategy: GuardedStrategy) -> ServerApp:
                 evaluation = strategy.aggregate_evaluate(
                     server_round, grid.send_and_receive(messages, timeout=cfg.round_timeout_s)
                 )
+            central = evaluate_fn(server_round, arrays) if evaluate_fn else None
             row = {
                 "round": server_round,
                 **{
@@ -345,6 +395,7 @@ def build_server_app(fed: Federation, strategy: GuardedStrategy) -> ServerApp:
                     if k in ("train_loss", "train_accuracy")
                 },
                 **{k: float(v) for k, v in (evaluation or {}).items() if k in ("val_loss", "val_accuracy")},
+                **{k: float(v) for k, v in (central or {}).items()},
                 "clients_sampled": traffic.sent,
                 "clients_failed": traffic.failed,
                 "clients_timed_out": traffic.timed_out,
@@ -368,6 +419,7 @@ def build_server_app(fed: Federation, strategy: GuardedStrategy) -> ServerApp:
             fed.end_round(server_round, arrays, row)
             progress.set_postfix(
                 val_acc=f"{row.get('val_accuracy', float('nan')):.3f}",
+                test_acc=f"{row.get('test_accuracy', float('nan')):.3f}",
                 ok=guard.accepted,
                 rejected=row["updates_rejected"],
                 dropped=row["clients_failed"] + row["clients_timed_out"],

@@ -1,5 +1,8 @@
 """The client's side in plain PyTorch: its users' rows, local training and evaluation, and the
-arrays that travel (no Ray, no Flower messages; `ArrayRecord` is only the container)."""
+arrays that travel (no Ray, no Flower messages; `ArrayRecord` is only the container).
+
+Images stay the uint8 pixels the snapshot holds (a quarter of float32's memory per client); each
+batch is augmented and normalised where it runs, as centralised training does."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from torch import nn
 from app import model as core
 from app.snapshot import read_rows
 from app.transform import augment as augment_images
-from app.transform import encode_labels
+from app.transform import encode_labels, normalize_pixels
 
 UPDATE_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 CPU = torch.device("cpu")
@@ -40,9 +43,31 @@ def _user_partitions(snapshot_uris: tuple[str, ...], num_partitions: int, seed: 
 @dataclass
 class ClientData:
     train_x: torch.Tensor
+    """uint8 pixels [N, 3, S, S], oldest first; so are `val_x` and the labels."""
     train_y: torch.Tensor
     val_x: torch.Tensor
     val_y: torch.Tensor
+
+
+def labelled_rows(
+    snapshot_uris: Iterable[str], classes: Iterable[str], row_filter=None
+) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """(uint8 pixels, class indices, event times) of the labelled rows that pass `row_filter`,
+    in event-time order (partition and offset break ties, so every reader sees one order)."""
+    classes = list(classes)
+    labelled = pc.field("label").isin(classes)
+    table = read_rows(
+        snapshot_uris,
+        ["image", "label", "event_time", "partition", "offset"],
+        labelled if row_filter is None else labelled & row_filter,
+    )
+    table = table.sort_by([("event_time", "ascending"), ("partition", "ascending"), ("offset", "ascending")])
+    if table.num_rows == 0:
+        return torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), np.empty(0, np.int64)
+    pixels = np.array(table.column("image").combine_chunks().to_numpy_ndarray())  # writable, for torch
+    labels = encode_labels(table.column("label").to_pylist(), classes)
+    times = table.column("event_time").to_numpy()
+    return torch.from_numpy(pixels), torch.from_numpy(labels), times
 
 
 def load_client_data(
@@ -51,22 +76,18 @@ def load_client_data(
     num_partitions: int,
     seed: int,
     classes: tuple[str, ...],
-    val_fraction: float,
+    val_from: int,
+    test_from: int,
 ) -> ClientData:
-    """This client's users' labelled rows; the newest `val_fraction` by event time validates."""
+    """This client's users' labelled rows before `test_from` (the central test slice never reaches
+    a client); those from `val_from` on validate, as in centralised training's event-time split."""
     users = _user_partitions(snapshot_uris, num_partitions, seed)[partition_id]
-    table = read_rows(
-        snapshot_uris,
-        ["image", "label", "event_time", "partition", "offset"],
-        pc.field("key").isin(users) & pc.field("label").isin(list(classes)),
+    images, labels, times = labelled_rows(
+        snapshot_uris, classes, pc.field("key").isin(users) & (pc.field("event_time") < test_from)
     )
-    if table.num_rows == 0:
+    if len(labels) == 0:
         raise ValueError(f"client {partition_id} ({len(users)} users) has no labelled records")
-    table = table.sort_by([("event_time", "ascending"), ("partition", "ascending"), ("offset", "ascending")])
-    pixels = table.column("image").combine_chunks().to_numpy_ndarray()
-    images = torch.from_numpy(pixels.astype(np.float32, copy=False))
-    labels = torch.from_numpy(encode_labels(table.column("label").to_pylist(), classes))
-    cut = table.num_rows - int(table.num_rows * val_fraction)
+    cut = int(np.searchsorted(times, val_from, side="left"))
     return ClientData(images[:cut], labels[:cut], images[cut:], labels[cut:])
 
 
@@ -85,16 +106,22 @@ class ProximalLoss(nn.Module):
 
 
 def batches(
-    x: torch.Tensor, y: torch.Tensor, batch_size: int, generator: torch.Generator | None, augment: bool
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int,
+    generator: torch.Generator | None,
+    augment: str = "none",
+    device: torch.device = CPU,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Shuffled (when given a generator) and optionally augmented batches of (x, y)."""
+    """Shuffled (when given a generator) batches of uint8 pixels, moved to `device`, augmented by
+    mode (`none`, `light`, `strong`) and normalised there."""
     order = torch.randperm(len(y), generator=generator) if generator is not None else torch.arange(len(y))
     for start in range(0, len(y), batch_size):
         index = order[start : start + batch_size]
-        inputs = x[index]
-        if augment:
-            inputs = augment_images(inputs, generator)
-        yield inputs, y[index]
+        pixels = x[index].to(device, non_blocking=True)
+        if augment != "none":
+            pixels = augment_images(pixels, augment, generator)
+        yield normalize_pixels(pixels), y[index].to(device, non_blocking=True)
 
 
 def local_train(
@@ -106,7 +133,7 @@ def local_train(
     lr: float,
     mu: float,
     seed: int,
-    augment: bool,
+    augment: str,
     batches_hook=None,
     device: torch.device = CPU,
 ) -> dict:
@@ -119,19 +146,29 @@ def local_train(
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9)
     stats = {}
     for _ in range(epochs):
-        epoch = batches(data.train_x, data.train_y, batch_size, generator, augment)
+        epoch = batches(data.train_x, data.train_y, batch_size, generator, augment, device)
         stats = core.train_epoch(
             model, batches_hook(epoch) if batches_hook else epoch, optimizer, loss_fn, device=device
         )
     return stats
 
 
+def evaluate_pixels(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    num_classes: int,
+    batch_size: int = 256,
+    device: torch.device = CPU,
+) -> dict:
+    """`core.evaluate` over uint8 pixels, normalised batch by batch (clients' and the server's test)."""
+    return core.evaluate(model, batches(x, y, batch_size, None, "none", device), num_classes, device=device)
+
+
 def local_evaluate(
     model: nn.Module, data: ClientData, num_classes: int, batch_size: int = 256, device: torch.device = CPU
 ) -> dict:
-    return core.evaluate(
-        model, batches(data.val_x, data.val_y, batch_size, None, False), num_classes, device=device
-    )
+    return evaluate_pixels(model, data.val_x, data.val_y, num_classes, batch_size, device)
 
 
 def exchanged_keys(model: nn.Module) -> list[str]:

@@ -78,7 +78,9 @@ def test_demo_serves_predictions_rolls_out_and_shows_the_dashboard(tmp_path):
             headers={"Content-Type": "image/png"},
             timeout=30,
         )
-        assert answer.status_code == 200 and answer.json()["model_version"] == "2"
+        # v2 (federated) only if it beat v1 on the test slice; otherwise v1 stays.
+        promoted = "promoted v2 to the serving alias" in "".join(lines)
+        assert answer.status_code == 200 and answer.json()["model_version"] == ("2" if promoted else "1")
 
         process.send_signal(signal.SIGINT)
         assert process.wait(120) == 0, (tmp_path / "demo.stderr").read_text()[-3000:]
@@ -92,11 +94,28 @@ def test_demo_serves_predictions_rolls_out_and_shows_the_dashboard(tmp_path):
     match = re.search(r"→ 200 label='([a-z_]+)' model_version=(\d+)", output)
     assert match, output[-3000:]
     assert match.group(1) in synth.DEFAULT_CLASSES and match.group(2) == "1"
+    # federate --promote-if-better said what it did and why, with both test-slice accuracies; the
+    # demo rolled out under traffic only a better model, and its summary says which one it serves.
+    judged = re.search(
+        r"^(?:promoted v2 to the serving alias|kept v1 as champion, not v2): "
+        r"test slice: v2 ([\d.]+) (>|<=) champion v1 ([\d.]+)$",
+        output,
+        re.M,
+    )
+    assert judged, output[-3000:]
+    candidate, relation, champion = float(judged.group(1)), judged.group(2), float(judged.group(3))
+    assert (relation == ">") == promoted  # the figures are printed to 3 places: ties may show
+    assert candidate >= champion if promoted else candidate <= champion
     rollout = re.search(
         r"(\d+) requests during the rollout, (\d+) failed; versions served in order: (.+)", output
     )
-    assert rollout, output[-3000:]
-    assert int(rollout.group(1)) > 0 and rollout.group(2) == "0" and rollout.group(3).strip() == "1 → 2"
+    if promoted:
+        assert rollout, output[-3000:]
+        assert int(rollout.group(1)) > 0 and rollout.group(2) == "0" and rollout.group(3).strip() == "1 → 2"
+        assert re.search(r"^serving federated v2: test slice", output, re.M), output[-3000:]
+    else:
+        assert rollout is None, output[-3000:]
+        assert re.search(r"^serving v1, federated v2 not rolled out: test slice", output, re.M)
     assert "stopping Serve, Ray and the broker" in output and "== done in" in output
     curves = re.findall(r"^curves: (.+\.png)$", output, re.M)
     assert len(curves) == 2 and all(Path(c).stat().st_size > 0 for c in curves), (

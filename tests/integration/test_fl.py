@@ -44,7 +44,7 @@ def test_rounds_learn_on_non_iid_users_register_and_resume(trained, ray_cluster)
         local_epochs=1,
         batch_size=16,
         lr=0.05,
-        augment=False,
+        augment="none",
         seed=3,
         num_cpus_per_client=1.0,
         run_name="fl-learn",
@@ -83,6 +83,11 @@ def test_rounds_learn_on_non_iid_users_register_and_resume(trained, ray_cluster)
     assert run.data.params["dp_clip"] == "None" and run.data.params["snapshots"] == snapshot.snapshot_id
     assert {"curves.png", "history.json", "model"} <= {a.path for a in client.list_artifacts(report.run_id)}
     assert len(client.get_metric_history(report.run_id, "val_accuracy")) == 2
+    # The server judged each round's global model on the central test slice, which no client read.
+    assert len(client.get_metric_history(report.run_id, "test_accuracy")) == 2
+    assert report.test_split["test"] > 0 and report.verdict is None
+    assert report.metrics["test_accuracy"] == report.history[-1]["test_accuracy"]
+    assert version.tags["metric.test_accuracy"] == f"{report.metrics['test_accuracy']:.4f}"
     assert all(any('run="fl-learn"' in line for line in lines) for lines in watcher.seen.values()), (
         watcher.seen
     )
@@ -105,7 +110,7 @@ def test_nan_update_and_killed_client_leave_the_round_to_the_rest_with_dp(traine
         min_clients=2,
         local_epochs=1,
         batch_size=32,
-        augment=False,
+        augment="none",
         init_from="champion",
         dp_clip=5.0,
         dp_noise=0.5,
@@ -128,6 +133,52 @@ def test_nan_update_and_killed_client_leave_the_round_to_the_rest_with_dp(traine
     assert (
         len(_schemas(report, "train")) == 1
     )  # the NaN update crossed with the same schema, then was rejected
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_promote_if_better_keeps_a_better_champion_and_promotes_a_better_model(trained):
+    from app import registry
+
+    trained_settings, _, _, train_report, _ = trained
+    # A registered name of its own, so the session's champion stays what the serve tests expect.
+    settings = dataclasses.replace(trained_settings, model_name="argus-fl-promote")
+    uri = settings.tracking_uri
+    centralised = registry.load(uri, trained_settings.model_name, train_report.version)
+    with registry.start_run(uri, registry.artifact_root(settings), "centralised-copy") as run:
+        pass
+    good = registry.register(uri, settings.model_name, run.info.run_id, centralised.model, centralised.card)
+    assert registry.resolve(uri, settings.model_name, "champion") == good
+
+    # Worse: one round from scratch at a learning rate that barely moves the weights.
+    base = FederateConfig(
+        rounds=1,
+        clients=4,
+        clients_per_round=4,
+        batch_size=32,
+        augment="none",
+        num_cpus_per_client=1.0,
+        promote_if_better=True,
+    )
+    worse = federate(settings, dataclasses.replace(base, lr=1e-6, run_name="fl-worse"))
+    verdict = worse.verdict
+    assert not verdict.promoted and verdict.champion_version == good, verdict
+    assert verdict.candidate_accuracy == worse.metrics["test_accuracy"] == worse.history[-1]["test_accuracy"]
+    assert verdict.champion_accuracy > verdict.candidate_accuracy
+    assert f"champion v{good}" in verdict.reason and f"kept v{good} as champion" in str(worse)
+    assert registry.resolve(uri, settings.model_name, "champion") == good
+    card = registry.load(uri, settings.model_name, worse.version).card
+    assert card.metrics["test_accuracy"] == worse.metrics["test_accuracy"]
+
+    # Better: the same fine-tuned from the centralised model, against the worse one made champion.
+    registry.promote(uri, settings.model_name, worse.version)
+    registry.promote(uri, settings.model_name, good, alias="centralised")
+    better = federate(
+        settings, dataclasses.replace(base, lr=1e-3, init_from="centralised", run_name="fl-better")
+    )
+    assert better.verdict.promoted and better.verdict.champion_version == worse.version, better.verdict
+    assert better.verdict.champion_accuracy == pytest.approx(worse.metrics["test_accuracy"])
+    assert registry.resolve(uri, settings.model_name, "champion") == better.version
 
 
 def test_init_from_a_model_that_does_not_fit_is_a_clear_error(trained):

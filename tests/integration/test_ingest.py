@@ -23,7 +23,7 @@ from app.ingest import ingest
 from app.produce import produce
 from app.records import SCHEMA_VERSION, record_headers
 from app.snapshot import MANIFEST, list_manifests, snapshot_uri
-from app.transform import preprocess
+from app.transform import normalize_pixels, preprocess
 
 from conftest import ROOT, child_env, run_cli, settings_args
 
@@ -133,15 +133,18 @@ def test_ingest_is_exact_and_resumable(settings, ray_cluster):
     assert manifest["records"] == 61 and manifest["dlq"] == 11
     assert manifest["classes"] == list(synth.DEFAULT_CLASSES)
     assert manifest["normalization"]["mean"] == [0.485, 0.456, 0.406] and manifest["image_size"] == 32
+    assert manifest["pixels"] == "uint8" and manifest["source"] is False
     assert sum(o["end"] - o["start"] for o in manifest["offsets"].values()) == 72
     assert manifest["event_time"]["late_records"] == 1
     assert [r["key"] for r in rows if r["late"]] == ["user-late"]
 
-    # The ingest transform equals the serving transform on the same bytes, bit for bit.
+    # Snapshots hold uint8 pixels; normalised as the training step does, they are what serving
+    # computes from the same bytes, bit for bit.
     by_coordinate = {(r["partition"], r["offset"]): r for r in rows}
     for (partition, offset), record in list(zip(coordinates, valid))[:5]:
-        stored = torch.as_tensor(by_coordinate[(partition, offset)]["image"])
-        assert torch.equal(stored, preprocess([record[1]], 32)[0])
+        stored = torch.as_tensor(np.array(by_coordinate[(partition, offset)]["image"]))
+        assert stored.dtype == torch.uint8 and stored.shape == (3, 32, 32)
+        assert torch.equal(normalize_pixels(stored[None])[0], preprocess([record[1]], 32)[0])
 
     dead = consume_all(settings.bootstrap_servers, settings.dlq_topic, 11)
     assert len(dead) == 11

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from app.snapshot import read_manifest
+from app.transform import normalize_pixels
 
 
 def test_training_learns_and_registers_lineage(trained):
@@ -29,8 +31,21 @@ def test_training_learns_and_registers_lineage(trained):
     assert str(client.get_model_version_by_alias(settings.model_name, "champion").version) == report.version
     artifacts = {a.path for a in client.list_artifacts(report.run_id)}
     assert {"curves.png", "history.json", "model"} <= artifacts
-    recall_metrics = [k for k in client.get_run(report.run_id).data.metrics if k.startswith("val_recall.")]
+    run_metrics = client.get_run(report.run_id).data.metrics
+    recall_metrics = [k for k in run_metrics if k.startswith("val_recall.")]
     assert len(recall_metrics) == len(report.classes)
+    # The epoch was picked on validation; the test slice, newer still, measured it once after.
+    from app import registry
+
+    card = registry.load(settings.tracking_uri, settings.model_name, report.version).card
+    assert card.metrics["test_accuracy"] == run_metrics["test_accuracy"] == report.metrics["test_accuracy"]
+    assert card.metrics["val_accuracy"] == report.metrics["val_accuracy"]
+    split = card.split
+    assert split["train"] + split["val"] + split["test"] == manifest.records
+    assert split["val_from"] <= split["test_from"] and split["val"] > 0 and split["test"] > 0
+    history = json.loads(open(_artifact(settings, report.run_id, "history.json")).read())
+    lrs = [row["lr"] for row in history]
+    assert lrs[0] > lrs[1] > lrs[2]  # warmup done within epoch 0, then the cosine decays per step
     run_name = client.get_run(report.run_id).info.run_name
     missing = [
         name for name, samples in train_gauges.items() if not any(f'run="{run_name}"' in s for s in samples)
@@ -72,6 +87,9 @@ def test_same_seed_same_metrics(trained):
 
 @pytest.mark.slow
 def test_killed_worker_resumes_from_checkpoint(trained, tmp_path):
+    """Rank 1 dies mid-epoch 1: the group restarts from epoch 0's checkpoint. Resumption, not a
+    silent restart from scratch: epoch 0 finished before the fault and is kept as it was, each
+    epoch is trained once, and the schedule's step count carries on."""
     from app.train import train
 
     settings, _, train_config, _, _ = trained
@@ -79,7 +97,12 @@ def test_killed_worker_resumes_from_checkpoint(trained, tmp_path):
     report = train(settings, cfg)
     assert report.epochs == 3
     marker = f"{settings.uri('checkpoints', 'train')}/fault-run/.fault-fired"
-    assert open(marker).read()  # the fault really fired, and the run still finished all epochs
+    fault_at = float(open(marker).read())  # the fault really fired
+    history = json.loads(open(_artifact(settings, report.run_id, "history.json")).read())
+    assert [row["epoch"] for row in history] == [0, 1, 2]
+    assert history[0]["finished_at"] < fault_at < history[1]["finished_at"]
+    steps = [row["steps"] for row in history]
+    assert steps == [steps[0], 2 * steps[0], 3 * steps[0]], steps
 
 
 @pytest.mark.slow
@@ -93,6 +116,31 @@ def test_rerun_with_the_same_name_resumes(trained):
     assert second.epochs == 2
     history = json.loads(open(_artifact(settings, second.run_id, "history.json")).read())
     assert history[0]["checksum"] == first.checksum and history[1]["checksum"] != first.checksum
+
+
+@pytest.mark.slow
+def test_promotion_is_judged_on_the_test_slice(trained):
+    """A worse candidate (one epoch at a tiny learning rate) is registered but keeps the champion;
+    the comparison's figures, on the slice that picked neither model, are on its run."""
+    import mlflow
+
+    from app import registry
+    from app.train import train
+
+    settings, _, train_config, _, _ = trained
+    champion = registry.resolve(settings.tracking_uri, settings.model_name, "champion")
+    weak = dataclasses.replace(
+        train_config, epochs=1, lr=1e-6, promote_if_better=True, run_name="weak-candidate"
+    )
+    report = train(settings, weak)
+    verdict = report.verdict
+    assert not verdict.promoted and verdict.champion_version == champion
+    assert verdict.candidate_accuracy == report.metrics["test_accuracy"]
+    assert verdict.champion_accuracy > verdict.candidate_accuracy
+    assert registry.resolve(settings.tracking_uri, settings.model_name, "champion") == champion
+    mlflow.set_tracking_uri(settings.tracking_uri)
+    metrics = mlflow.MlflowClient().get_run(report.run_id).data.metrics
+    assert metrics["promoted"] == 0 and metrics["champion_test_accuracy"] == verdict.champion_accuracy
 
 
 def _artifact(settings, run_id: str, name: str) -> str:
@@ -128,5 +176,31 @@ def test_feature_snapshot_trains_a_head_that_serves_images(settings, ray_cluster
     ).take(3)
     with torch.inference_mode():
         from_features = loaded.model(torch.stack([torch.as_tensor(r["features"]) for r in rows]))
-        from_images = loaded.model(torch.stack([torch.as_tensor(r["image"]) for r in rows]))
+        pixels = torch.stack([torch.as_tensor(np.array(r["image"])) for r in rows])
+        from_images = loaded.model(normalize_pixels(pixels))
     assert torch.allclose(from_features, from_images, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_snapshot_keeping_sources_trains_at_another_size(settings, ray_cluster):
+    """--keep-source: the encoded images ride along in the snapshot, so a model at a new image
+    size trains from it without Kafka (`select_snapshots` refuses another size without them)."""
+    from app import registry
+    from app.config import IngestConfig, ProduceConfig, TrainConfig
+    from app.ingest import ingest
+    from app.produce import produce
+    from app.train import train
+
+    produce(
+        settings,
+        ProduceConfig(synthetic=96, seed=6, source_image_size=32, corrupt_fraction=0),
+        settings.kafka_connection(),
+    )
+    snapshot = ingest(settings, IngestConfig(keep_source=True), settings.kafka_connection())
+    manifest = read_manifest(settings, snapshot.snapshot_id)
+    assert manifest.source and manifest.image_size == settings.image_size
+    smaller = dataclasses.replace(settings, image_size=16)
+    report = train(smaller, TrainConfig(epochs=1, num_workers=1, batch_size=16, max_failures=0))
+    loaded = registry.load(settings.tracking_uri, settings.model_name, report.version)
+    assert loaded.card.image_size == 16
+    assert loaded.model(torch.zeros(2, 3, 16, 16)).shape == (2, len(report.classes))

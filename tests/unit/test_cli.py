@@ -22,6 +22,8 @@ def test_help_lists_every_contract_command():
         (["train", "--model", "vgg"], "unknown model 'vgg'"),
         (["train", "--epochs", "-1"], "--epochs must be >= 1"),
         (["train", "--amp", "fp8"], "invalid choice: 'fp8'"),
+        (["train", "--augment", "flip"], "invalid choice: 'flip'"),
+        (["train", "--model", "resnet18", "--weights", "/nonexistent.pt"], "not a readable state dict"),
         (["produce", "--synthetic", "5", "--bootstrap-servers", "127.0.0.1:1"], "unreachable"),
         (["produce", "--synthetic", "5", "--bootstrap-servers", "no-port"], "expected host:port"),
         (["produce"], "exactly one of --synthetic N or --from-dir DIR"),

@@ -107,12 +107,13 @@ def test_fedprox_term_pulls_local_weights_towards_the_global_model():
     nn.CrossEntropyLoss()(linear(x), y).backward()
     assert torch.allclose(proximal_grad - linear.weight.grad, 0.7 * torch.ones_like(proximal_grad))
 
-    data = ClientData(torch.randn(48, 3, 16, 16), torch.randint(0, 3, (48,)), torch.empty(0), torch.empty(0))
+    pixels = torch.randint(0, 256, (48, 3, 16, 16), dtype=torch.uint8)
+    data = ClientData(pixels, torch.randint(0, 3, (48,)), torch.empty(0), torch.empty(0))
     start = core.build_model("cnn", 3)
 
     def drift(mu):
         local = copy.deepcopy(start)
-        local_train(local, data, epochs=3, batch_size=16, lr=0.05, mu=mu, seed=1, augment=False)
+        local_train(local, data, epochs=3, batch_size=16, lr=0.05, mu=mu, seed=1, augment="none")
         return sum((a - b).pow(2).sum() for a, b in zip(local.parameters(), start.parameters())).sqrt().item()
 
     assert drift(mu=5.0) < 0.5 * drift(mu=0.0)
@@ -146,6 +147,7 @@ def test_users_are_dealt_whole_and_every_client_gets_some():
         dict(inject_faults=("12:nan",)),
         dict(num_cpus_per_client=0),
         dict(min_clients=6),
+        dict(augment="heavy"),
     ],
 )
 def test_bad_configuration_is_a_config_error(bad):

@@ -3,6 +3,7 @@ once, the ledger, and snapshot selection. No broker, no Ray."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -176,6 +177,34 @@ def test_select_snapshots_refuses_another_image_size_and_an_empty_store(settings
         select_snapshots(Settings(topic="t", storage=settings.storage, image_size=64), None)
     with pytest.raises(ValueError, match="run `ingest` first"):
         select_snapshots(Settings(topic="t", storage=str(tmp_path / "empty")), None)
+
+
+def test_snapshots_that_keep_sources_serve_any_image_size(settings):
+    manifest = build_manifest(
+        settings,
+        "snap-1",
+        {0: (0, 2)},
+        {},
+        task_stats(0, range(0, 2)),
+        features=None,
+        features_weights=None,
+        allowed_lateness_s=60.0,
+        keep_source=True,
+    )
+    assert snapshot.commit(settings, manifest) and manifest.source and manifest.pixels == "uint8"
+    other_size = Settings(topic="t", storage=settings.storage, image_size=64)
+    assert [m.snapshot_id for m in select_snapshots(other_size, None)] == ["snap-1"]
+
+
+def test_float_snapshots_from_before_pixel_snapshots_say_how_to_reingest(settings):
+    manifest = commit(settings, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
+    stored = json.loads(manifest.to_json())
+    del stored["pixels"], stored["source"]  # what a manifest written before them holds
+    old = Manifest.from_json(json.dumps(stored))
+    assert old.pixels == "float32" and not old.source
+    snapshot.commit(settings, dataclasses.replace(old, snapshot_id="snap-0"))
+    with pytest.raises(ValueError, match=r"\['snap-0'\] hold normalised float32.*new --storage"):
+        select_snapshots(settings, None)
 
 
 def _merged(*parts: WriteStats) -> WriteStats:

@@ -121,3 +121,46 @@ def test_empty_and_oversized_values_are_bad_images():
         decode_image(b"")
     with pytest.raises(BadImage, match="exceeds the 63 pixel limit"):
         decode_image(_encoded("PNG"), max_pixels=63)
+
+
+def _pixels(n: int = 4, size: int = 32, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=generator)
+
+
+def test_normalize_pixels_is_the_normalize_of_the_transform():
+    from app.transform import normalize, normalize_pixels, resize_pixels
+
+    images = [np.random.default_rng(i).integers(0, 256, (40, 30, 3), dtype=np.uint8) for i in range(3)]
+    pixels = resize_pixels(images, 16)
+    assert pixels.dtype == torch.uint8 and pixels.shape == (3, 3, 16, 16)
+    assert torch.equal(normalize_pixels(pixels), normalize(images, 16))
+    assert torch.allclose(normalize_pixels(pixels.float()), normalize_pixels(pixels))
+
+
+def test_augment_none_and_a_zero_range_warp_keep_the_pixels():
+    from app.transform import Augmentation, augment
+
+    pixels = _pixels()
+    assert torch.equal(augment(pixels, "none", torch.Generator()), pixels.float())
+    still = Augmentation(
+        zoom=(1, 1), shift=0, rotate_deg=0, flip=False, brightness=0, contrast=0, saturation=0
+    )
+    assert torch.allclose(augment(pixels, still, torch.Generator()), pixels.float(), atol=1e-3)
+
+
+def test_light_augmentation_never_mirrors_and_draws_per_image():
+    from app.transform import augment
+
+    # A bright left half, as a window's title bar or text margin: mirroring would move it right.
+    pixels = torch.zeros(64, 3, 32, 32, dtype=torch.uint8)
+    pixels[..., :16] = 200
+    out = augment(pixels, "light", torch.Generator().manual_seed(1))
+    assert (out[..., :12].mean((1, 2, 3)) > out[..., 20:].mean((1, 2, 3)) + 100).all()
+    assert len({round(v, 3) for v in out.mean((1, 2, 3)).tolist()}) > 32  # each image its own draw
+    again = augment(pixels, "light", torch.Generator().manual_seed(1))
+    assert torch.equal(out, again)  # reproducible from the generator
+    strong = augment(pixels, "strong", torch.Generator().manual_seed(1))
+    flipped = strong[..., :12].mean((1, 2, 3)) < strong[..., 20:].mean((1, 2, 3))
+    assert 10 < int(flipped.sum()) < 54  # strong flips about half
+    assert out.min() >= 0 and out.max() <= 255 and out.dtype == torch.float32
