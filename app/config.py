@@ -222,7 +222,8 @@ class TrainConfig:
     """Logical CPUs per worker: a fraction leaves room for Ray Data on small machines."""
     amp: str = "auto"
     grad_accum: int = 1
-    lr: float = 1e-3
+    lr: float = 3e-3
+    """Peak learning rate: reached after the warmup, then decayed along the cosine."""
     seed: int = 0
     snapshots: tuple[str, ...] | None = None
     """Snapshot ids to train on; None means all."""
@@ -300,17 +301,21 @@ class ServeConfig:
         _require(self.max_body_bytes > 0, "--max-body-bytes must be > 0")
 
 
+SETTINGS_ENV = {
+    "KAFKA_BOOTSTRAP_SERVERS": "bootstrap_servers",
+    "KAFKA_CONFIG": "kafka_config",
+    "ARGUS_TOPIC": "topic",
+    "ARGUS_STORAGE": "storage",
+    "MLFLOW_TRACKING_URI": "mlflow_uri",
+    "RAY_ADDRESS": "ray_address",
+}
+"""Environment variable → Settings field (CONTRACT.md §3). A process that starts Argus commands for
+another broker, storage or registry drops these (`mlflow.set_tracking_uri` exports its own)."""
+
+
 def env_defaults() -> dict:
-    """Settings fields taken from the environment (CONTRACT.md §3); flags override them."""
-    mapping = {
-        "KAFKA_BOOTSTRAP_SERVERS": "bootstrap_servers",
-        "KAFKA_CONFIG": "kafka_config",
-        "ARGUS_TOPIC": "topic",
-        "ARGUS_STORAGE": "storage",
-        "MLFLOW_TRACKING_URI": "mlflow_uri",
-        "RAY_ADDRESS": "ray_address",
-    }
-    return {name: os.environ[var] for var, name in mapping.items() if os.environ.get(var)}
+    """Settings fields taken from the environment; flags override them."""
+    return {name: os.environ[var] for var, name in SETTINGS_ENV.items() if os.environ.get(var)}
 
 
 def from_namespace(cls, namespace, **overrides):

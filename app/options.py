@@ -101,7 +101,7 @@ def add_train(parser) -> None:
     parser.add_argument("--cpus-per-worker", type=float, help="logical CPUs per worker (default 0.5)")
     parser.add_argument("--amp", choices=AMP_MODES, help="mixed precision (auto: on with a GPU, off on CPU)")
     parser.add_argument("--grad-accum", type=int, help="micro-batches per optimiser step (default 1)")
-    parser.add_argument("--lr", type=float)
+    parser.add_argument("--lr", type=float, help="peak learning rate of the schedule (default 3e-3)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--snapshots", type=_csv, help="comma-separated snapshot ids (default: all)")
     parser.add_argument(

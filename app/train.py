@@ -45,6 +45,8 @@ CHECKPOINT_FILE = "checkpoint.pt"
 MATERIALIZE_SHARE = 0.25
 """Train and validation slices that fit in this share of the object store are held there."""
 FEATURE_BYTES = core.FEATURE_DIM * 4
+SHUFFLE_BATCHES = 16
+"""Training batches are drawn from a buffer of this many batches' rows, reshuffled each epoch."""
 
 
 # ---------------------------------------------------------------- what runs on each worker
@@ -89,15 +91,20 @@ class WorkerConfig:
         return max(1, -(-batches // self.grad_accum))
 
 
-def _batches(shard, cfg: WorkerConfig, device: torch.device, generator: torch.Generator, training: bool):
+def _batches(shard, cfg: WorkerConfig, device: torch.device, seed: int, training: bool):
     """(inputs, targets) on `device`: uint8 pixels arrive as they are stored (a quarter of float32's
-    bytes through Ray Data) and are augmented and normalised there, in one batched op each."""
+    bytes through Ray Data) and are augmented and normalised there, in one batched op each. Training
+    batches are drawn from a shuffle buffer, in a new order each epoch; `seed` fixes it, and the
+    augmentation and resampling drawn with it."""
     column = cfg.input_column
+    generator = torch.Generator().manual_seed(seed)
+    shuffle = {"local_shuffle_buffer_size": SHUFFLE_BATCHES * cfg.batch_size, "local_shuffle_seed": seed}
     for batch in shard.iter_torch_batches(
         batch_size=cfg.batch_size,
         drop_last=False,
         dtypes={column: torch.float32 if cfg.features else torch.uint8, "label_index": torch.int64},
         device=device,
+        **(shuffle if training else {}),
     ):
         inputs, targets = batch[column], batch["label_index"]
         if training and cfg.balance == "sampler":
@@ -192,8 +199,8 @@ def train_loop_per_worker(config: dict) -> None:
 
     for epoch in range(start_epoch, cfg.epochs):
         started = time.perf_counter()
-        generator = torch.Generator().manual_seed(cfg.seed * 1000 + epoch * 10 + rank)
-        train_batches = _batches(ray.train.get_dataset_shard("train"), cfg, device, generator, True)
+        epoch_seed = cfg.seed * 1000 + epoch * 10 + rank
+        train_batches = _batches(ray.train.get_dataset_shard("train"), cfg, device, epoch_seed, True)
         if cfg.fail_at_epoch is not None:
             train_batches = _with_fault(train_batches, cfg, epoch)
         stats = core.train_epoch(
@@ -210,7 +217,7 @@ def train_loop_per_worker(config: dict) -> None:
         train_seconds = time.perf_counter() - started
         val = core.evaluate(
             model,
-            _batches(ray.train.get_dataset_shard("val"), cfg, device, generator, False),
+            _batches(ray.train.get_dataset_shard("val"), cfg, device, epoch_seed, False),
             num_classes,
             device=device,
         )
@@ -316,26 +323,38 @@ def build_datasets(
     split = EventTimeSplit.of(times[times["label"].isin(classes)]["event_time"].to_numpy(), val_fraction)
     dataset = ray.data.read_parquet(paths, columns=[stored, "label", "event_time"], **read_args)
 
-    def event_slice(wanted: int):
-        # One 0.25-CPU map does label filter, split and projection: a separate filter or
+    def labelled(batch):
+        # One 0.25-CPU map does label filter, slice tag and projection: a separate filter or
         # select_columns op would schedule 1-CPU tasks that a busy small cluster never fits.
-        def keep(batch):
-            rows = np.isin(batch["label"], classes) & (split.slice_of(batch["event_time"]) == wanted)
-            if rows.any():  # an empty tensor column would not convert to Arrow
-                inputs = batch[stored][rows]
-                if resize:
-                    inputs = resize_pixels([decode_pixels(v) for v in inputs], size).numpy()
-                yield {column: inputs, "label_index": encode_labels(batch["label"][rows], classes)}
+        rows = np.isin(batch["label"], classes)
+        if rows.any():  # an empty tensor column would not convert to Arrow
+            inputs = batch[stored][rows]
+            if resize:
+                inputs = resize_pixels([decode_pixels(v) for v in inputs], size).numpy()
+            yield {
+                column: inputs,
+                "label_index": encode_labels(batch["label"][rows], classes),
+                "slice": split.slice_of(batch["event_time"][rows]).astype(np.int8),
+            }
 
-        return dataset.map_batches(keep, batch_format="numpy", num_cpus=0.25)
-
-    train, val, test = event_slice(TRAIN), event_slice(VALIDATION), event_slice(TEST)
+    rows = dataset.map_batches(labelled, batch_format="numpy", num_cpus=0.25)
     record_bytes = FEATURE_BYTES if features else 3 * size * size  # uint8 pixels
-    if (split.train + split.val) * record_bytes <= MATERIALIZE_SHARE * _object_store_bytes():
-        # Read, filter and cut once, not once per epoch: the epochs then stream from memory and
-        # no read task competes with the training workers for the cores.
-        train, val = train.materialize(), val.materialize()
-    return Datasets(train, val, test, split)
+    held = (split.train + split.val + split.test) * record_bytes <= MATERIALIZE_SHARE * _object_store_bytes()
+    if held:
+        # Read once, not once per slice and epoch: the epochs then stream from memory, and no read
+        # task competes with the training workers for the cores.
+        rows = rows.materialize()
+
+    def event_slice(wanted: int):
+        def keep(batch):
+            chosen = batch["slice"] == wanted
+            if chosen.any():
+                yield {column: batch[column][chosen], "label_index": batch["label_index"][chosen]}
+
+        sliced = rows.map_batches(keep, batch_format="numpy", num_cpus=0.25)
+        return sliced.materialize() if held else sliced
+
+    return Datasets(event_slice(TRAIN), event_slice(VALIDATION), event_slice(TEST), split)
 
 
 def _object_store_bytes() -> float:

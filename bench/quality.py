@@ -32,6 +32,9 @@
    judged on the same test slice. Its batch is train's global one,
    `--batch-size` × `--num-workers` (DDP averages the workers' gradients, so each optimiser step
    sees 128 images and both take the same steps); a batch-64 run is printed for information.
+   Both train with `--seeds` seeds (default 3: train's `--seed 0..2`, the same seeds here): on 180
+   test images one seed moves the accuracy by several points, more than the 1 % the goal allows,
+   so the goal compares medians.
 3. Synthetic six-class set (`app.synth`, as `make demo` produces it, no corrupt records):
    per-class recall on its test slice before and after the augmentation change: "before" is
    `--augment strong` (flips, crops to 60 %, rotations, strong colour jitter: about the old
@@ -61,7 +64,7 @@ from pathlib import Path
 import numpy as np
 
 import _common as common
-from _common import ROOT, print_table
+from _common import ROOT, median_of, print_table
 
 GOAL_RATIO = 0.99
 GOAL_ACCURACY = 0.95
@@ -164,13 +167,27 @@ def _end_group(pgid: int, grace_s: float = 10.0) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
+def cli_environment() -> dict[str, str]:
+    """This environment minus what would point a CLI elsewhere than the bench's flags: above all
+    MLFLOW_TRACKING_URI, which `mlflow.set_tracking_uri` in this process exports (a later train
+    would register into the previous storage's registry)."""
+    from app.config import SETTINGS_ENV
+
+    return {name: value for name, value in os.environ.items() if name not in SETTINGS_ENV}
+
+
 def run_cli(args: list[str], log_dir: Path, name: str, timeout_s: float = CLI_TIMEOUT_S) -> str:
     """`python -m app ARGS` as a user runs it; returns its stdout (both streams kept in log_dir)."""
     print(f"  $ python -m app {' '.join(args)}", flush=True)
     out_path, err_path = log_dir / f"{name}.out", log_dir / f"{name}.err"
     with open(out_path, "w") as out, open(err_path, "w") as err:
         process = subprocess.Popen(
-            [sys.executable, "-m", "app", *args], cwd=ROOT, stdout=out, stderr=err, start_new_session=True
+            [sys.executable, "-m", "app", *args],
+            cwd=ROOT,
+            env=cli_environment(),
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
         )
         try:
             code = process.wait(timeout=timeout_s)
@@ -320,15 +337,28 @@ def reference_run(train, val, test, classes, *, size, epochs, batch_size, lr, se
 
 
 def accuracy_goal(measured: float, threshold: float) -> str:
-    verdict = "PASS" if measured >= threshold else "MISS"
-    return f"goal: Argus held-out accuracy on digits ≥ {threshold:g}: measured {measured:.3f} ({verdict})"
+    verdict = "PASS" if round(measured, 6) >= threshold else "MISS"  # 171/180 is 0.94999999 in float32
+    return f"goal: Argus held-out accuracy on digits (median) ≥ {threshold:g}: {measured:.3f} ({verdict})"
 
 
-def recorded_note(result: dict) -> str:
-    recorded = result["recorded_test_accuracy"]
-    if recorded is None:
-        return f"run recorded no test_accuracy (card metrics: {', '.join(result['card_metrics'])})"
-    return f"run recorded test_accuracy {recorded:.3f}"
+def recorded_note(results: list[dict]) -> str:
+    """What train itself recorded as test accuracy, per seed, next to the bench's own figure."""
+    recorded = [r["recorded_test_accuracy"] for r in results]
+    if None in recorded:
+        return f"runs recorded no test_accuracy (card metrics: {', '.join(results[0]['card_metrics'])})"
+    same = all(abs(a - r["test_accuracy"]) < 1e-3 for a, r in zip(recorded, results))  # < one image
+    shown = " ".join(f"{a:.3f}" for a in recorded)
+    return f"test_accuracy train recorded: {shown} ({'the same' if same else 'NOT the same'} as the bench's)"
+
+
+def seed_row(name: str, results: list[dict]) -> list[str]:
+    return [
+        name,
+        f"{median_of(results, 'test_accuracy'):.3f}",
+        " ".join(f"{r['test_accuracy']:.3f}" for r in results),
+        " ".join(f"{r['val_accuracy']:.3f}" for r in results),
+        " ".join(str(r["epoch"]) for r in results),
+    ]
 
 
 def _percent(value: float | None) -> str:
@@ -348,7 +378,13 @@ def main() -> int:
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--lr", type=float, help="for train and the reference (default: train's)")
     parser.add_argument("--val-fraction", type=float, help="for train and the split (default: train's)")
-    parser.add_argument("--seed", type=int, default=0, help="event-time permutation and reference")
+    parser.add_argument("--seed", type=int, default=0, help="of the event-time permutation")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=3,
+        help="training seeds 0..N-1 for Argus (train --seed) and the reference",
+    )
     parser.add_argument("--skip-synthetic", action="store_true")
     parser.add_argument("--synthetic-records", type=int, default=2000)
     parser.add_argument("--synthetic-epochs", type=int, help="default --epochs")
@@ -360,9 +396,10 @@ def main() -> int:
     args = parser.parse_args()
     print(f"bench/quality.py · {common.machine_line()}")
     started = time.perf_counter()
-    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
-        print("  (KAFKA_BOOTSTRAP_SERVERS is ignored: the bench passes its own broker)")
-    from app.config import TrainConfig
+    from app.config import SETTINGS_ENV, TrainConfig
+
+    if any(os.environ.get(name) for name in SETTINGS_ENV):
+        print(f"  ({', '.join(SETTINGS_ENV)} are ignored: the bench runs on its own broker, Ray and storage)")
 
     help_text = subprocess.run(
         [sys.executable, "-m", "app", "train", "--help"], cwd=ROOT, capture_output=True, text=True, check=True
@@ -413,13 +450,18 @@ def main() -> int:
         records_in, dead = snapshot_counts(digits_storage, "digits")
         if (records_in, dead) != (len(digits), 0):
             print(f"  WARNING: snapshot holds {records_in} records and {dead} dead letters of {len(digits)}")
-        t = time.perf_counter()
-        version, _run = train_cli(digits_storage, "digits", args, [], logs, "digits-train")
-        phase("digits: train (CLI)", t)
-        t = time.perf_counter()
-        argus = evaluate_registered(digits_storage, version, test)
-        check_split(argus, split)
-        phase("digits: evaluate registered", t)
+        argus = []
+        for seed in range(args.seeds):  # seed 0 is train's default: no flag
+            t = time.perf_counter()
+            seed_flags = ["--seed", str(seed)] if seed else []
+            version, _run = train_cli(
+                digits_storage, "digits", args, seed_flags, logs, f"digits-train-{seed}"
+            )
+            phase(f"digits: train seed {seed} (CLI)", t)
+            t = time.perf_counter()
+            argus.append(evaluate_registered(digits_storage, version, test))
+            check_split(argus[-1], split)
+            phase(f"digits: evaluate seed {seed}", t)
         digits_before = None
         if args.digits_before:
             name, flags = before_after_flags(choices)[0]
@@ -428,28 +470,30 @@ def main() -> int:
             phase("digits: train before (CLI)", t)
             digits_before = (name, evaluate_registered(digits_storage, before_version, test))
 
-        reference = {}
+        reference: dict[int, list[dict]] = {}
         global_batch = args.batch_size * args.num_workers
         for batch in dict.fromkeys([global_batch, args.batch_size]):
             t = time.perf_counter()
-            reference[batch] = reference_run(
-                train,
-                val,
-                test,
-                classes,
-                size=args.image_size,
-                epochs=args.epochs,
-                batch_size=batch,
-                lr=lr,
-                seed=args.seed,
-            )
-            phase(f"digits: reference, batch {batch}", t)
-            r = reference[batch]
-            print(
-                f"  reference batch {batch}: test {r['test_accuracy']:.3f} (epoch {r['epoch']}, val "
-                f"{r['val_accuracy']:.3f}; last epoch {r['last_epoch_test_accuracy']:.3f})",
-                flush=True,
-            )
+            reference[batch] = []
+            for seed in range(args.seeds):
+                r = reference_run(
+                    train,
+                    val,
+                    test,
+                    classes,
+                    size=args.image_size,
+                    epochs=args.epochs,
+                    batch_size=batch,
+                    lr=lr,
+                    seed=seed,
+                )
+                reference[batch].append(r)
+                print(
+                    f"  reference batch {batch} seed {seed}: test {r['test_accuracy']:.3f} (epoch "
+                    f"{r['epoch']}, val {r['val_accuracy']:.3f}; last {r['last_epoch_test_accuracy']:.3f})",
+                    flush=True,
+                )
+            phase(f"digits: reference, batch {batch}, {args.seeds} seeds", t)
 
         synthetic = None
         if not args.skip_synthetic:
@@ -483,38 +527,24 @@ def main() -> int:
                 check_split(synthetic[when][1], synth_split)
 
     print("\n== summary")
-    chosen = reference[global_batch]
-    ratio = argus["test_accuracy"] / chosen["test_accuracy"]
+    argus_median = median_of(argus, "test_accuracy")
+    ratio = argus_median / median_of(reference[global_batch], "test_accuracy")
     extra = f" + {args.train_args}" if args.train_args else ""
-    rows = [
-        [f"Argus CLI defaults{extra}", f"{argus['test_accuracy']:.3f}", f"{argus['val_accuracy']:.3f}"]
-        + [str(argus["epoch"]), "-"]
-    ]
+    rows = [seed_row(f"Argus CLI defaults{extra}", argus)]
     if digits_before:
         name, r = digits_before
-        rows.append(
-            [f"Argus {name}{extra} (info)", f"{r['test_accuracy']:.3f}", f"{r['val_accuracy']:.3f}"]
-            + [str(r["epoch"]), "-"]
-        )
-    for batch, r in reference.items():
-        rows.append(
-            [
-                f"plain PyTorch, batch {batch}"
-                + (" (the reference)" if batch == global_batch else " (info)"),
-                f"{r['test_accuracy']:.3f}",
-                f"{r['val_accuracy']:.3f}",
-                str(r["epoch"]),
-                f"{r['last_epoch_test_accuracy']:.3f}",
-            ]
-        )
+        rows.append(seed_row(f"Argus {name}{extra}, seed 0 (info)", [r]))
+    for batch, results in reference.items():
+        role = " (the reference)" if batch == global_batch else " (info)"
+        rows.append(seed_row(f"plain PyTorch, batch {batch}{role}", results))
     print_table(
         f"digits, {args.image_size} px, cnn, {args.epochs} epochs, test slice of {len(test)} records "
-        f"(event time ≥ test_from)",
-        ["run", "test acc", "val acc", "best epoch", "last-epoch test acc"],
+        f"(event time ≥ test_from); training seeds 0..{args.seeds - 1}",
+        ["run", "test acc (median)", "test acc per seed", "val acc per seed", "best epochs"],
         rows,
     )
     print(f"  Argus: {recorded_note(argus)}")
-    print(f"  ratio Argus / reference: {ratio:.3f}")
+    print(f"  ratio of medians, Argus / reference: {ratio:.3f}")
     if synthetic:
         before, after = synthetic["before"], synthetic["after"]
         rows = [
@@ -543,7 +573,7 @@ def main() -> int:
     print_table("seconds per phase", ["phase", "s"], [[name, f"{s:.1f}"] for name, s in seconds.items()])
     print()
     print(common.goal_line("Argus held-out accuracy vs plain PyTorch (digits)", ratio, GOAL_RATIO))
-    print(accuracy_goal(argus["test_accuracy"], GOAL_ACCURACY))
+    print(accuracy_goal(argus_median, GOAL_ACCURACY))
     return 0
 
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import pytest
 
 from app.broker import EmbeddedBroker
-from app.config import Settings
+from app.config import SETTINGS_ENV, Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_IMAGE_SIZE = 32
@@ -177,19 +177,7 @@ def settings(tmp_path, broker) -> Settings:
 def child_env(**overrides: str) -> dict[str, str]:
     """This process's environment without the variables that would point a child at another test's
     broker, storage, MLflow or Ray (`mlflow.set_tracking_uri` exports MLFLOW_TRACKING_URI)."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k
-        not in (
-            "KAFKA_BOOTSTRAP_SERVERS",
-            "KAFKA_CONFIG",
-            "ARGUS_TOPIC",
-            "ARGUS_STORAGE",
-            "MLFLOW_TRACKING_URI",
-            "RAY_ADDRESS",
-        )
-    }
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS_ENV}
     return {**env, **overrides}
 
 

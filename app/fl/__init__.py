@@ -269,6 +269,7 @@ def _finish(
         training_kind="federated",
         snapshots=[m.lineage() for m in manifests],
         metrics=metrics,
+        split=split.to_dict(),
     )
     version = registry.register(settings.tracking_uri, settings.model_name, run_id, fed.model.eval(), card)
     verdict = None

@@ -46,7 +46,7 @@ def task_stats(
 
 
 def commit(
-    settings: Settings, snapshot_id: str, ranges: dict, stats: WriteStats, watermarks=None
+    settings: Settings, snapshot_id: str, ranges: dict, stats: WriteStats, watermarks=None, keep_source=False
 ) -> Manifest:
     manifest = build_manifest(
         settings,
@@ -57,6 +57,7 @@ def commit(
         features=None,
         features_weights=None,
         allowed_lateness_s=60.0,
+        keep_source=keep_source,
     )
     assert snapshot.commit(settings, manifest)
     return manifest
@@ -180,18 +181,8 @@ def test_select_snapshots_refuses_another_image_size_and_an_empty_store(settings
 
 
 def test_snapshots_that_keep_sources_serve_any_image_size(settings):
-    manifest = build_manifest(
-        settings,
-        "snap-1",
-        {0: (0, 2)},
-        {},
-        task_stats(0, range(0, 2)),
-        features=None,
-        features_weights=None,
-        allowed_lateness_s=60.0,
-        keep_source=True,
-    )
-    assert snapshot.commit(settings, manifest) and manifest.source and manifest.pixels == "uint8"
+    manifest = commit(settings, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)), keep_source=True)
+    assert manifest.source and manifest.pixels == "uint8"
     other_size = Settings(topic="t", storage=settings.storage, image_size=64)
     assert [m.snapshot_id for m in select_snapshots(other_size, None)] == ["snap-1"]
 
