@@ -4,10 +4,9 @@
                                      val_from         test_from
 
 The newest `val_fraction` of records by event time is held out and cut in two at its event-time
-median: validation picks the best epoch (or round), and the test slice, which nothing that chose
-the model ever saw, judges the candidate against the champion. Training and federated learning
-split the same snapshots the same way, so a centralised and a federated version are judged on one
-slice.
+median: validation picks the best epoch, and the test slice, which nothing that chose the model
+ever saw, judges the candidate against the champion. Training and federated learning split the
+same snapshots the same way, so a centralised and a federated version are judged on one slice.
 """
 
 from __future__ import annotations

@@ -190,7 +190,10 @@ def train_loop_per_worker(config: dict) -> None:
         state = _load_checkpoint(checkpoint)
         core.unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        if "scheduler" in state:
+            scheduler.load_state_dict(state["scheduler"])
+        else:  # a checkpoint from before the schedule: it starts over, the weights carry on
+            log.warning("rank %d: the checkpoint has no schedule state; the schedule starts again", rank)
         if scaler and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"][rank % len(state["rng"])])

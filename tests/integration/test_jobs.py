@@ -165,7 +165,7 @@ def test_ingest_and_train_as_jobs_then_a_retraining_job(head_node, broker, tmp_p
     job = submit_retraining(dataclasses.replace(settings, ray_address=head_node), card)
     logs = wait_for_job(head_node, job)
     assert "nothing new to ingest" in logs and "registered argus-behavior v2" in logs
-    comparison = re.search(r"newest slice: v2 ([0-9.]+) vs champion v1 ([0-9.]+)", logs)
+    comparison = re.search(r"test slice: v2 ([0-9.]+) (?:>|<=) champion v1 ([0-9.]+)", logs)
     assert comparison, logs[-3000:]
     new, old = map(float, comparison.groups())
     assert registry.resolve(settings.tracking_uri, settings.model_name, "champion") == (

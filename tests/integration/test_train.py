@@ -15,8 +15,8 @@ from app.transform import normalize_pixels
 
 def test_training_learns_and_registers_lineage(trained):
     settings, snapshot, _, report, train_gauges = trained
-    assert report.metrics["val_accuracy"] > 0.45, report.metrics  # chance is 1/6
-    assert report.epochs == 3
+    assert report.metrics["val_accuracy"] > 0.7, report.metrics  # chance is 1/6
+    assert report.epochs == 5
     import mlflow
 
     mlflow.set_tracking_uri(settings.tracking_uri)
