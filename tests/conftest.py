@@ -63,6 +63,14 @@ def s3_bucket(s3_endpoint) -> str:
     return name
 
 
+def pytest_collection_modifyitems(config, items):
+    """`early_metrics` tests run first (a stable sort: the rest keep their order). Ray's metrics
+    endpoint renders every series the session has made, and Ray Data adds ~100 KB of them per
+    dataset: late in a full run one scrape measured over 180 s on 2 loaded cores. Mark whole
+    modules' worth of tests only, or a module-scoped fixture is set up twice."""
+    items.sort(key=lambda item: item.get_closest_marker("early_metrics") is None)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(s3_endpoint):
     """A local Ray sized like CI's machine; Ray Train's helpers and Serve share it. Yields the

@@ -6,6 +6,8 @@ import logging
 import threading
 import time
 
+import pytest
+
 from app.config import IngestConfig, ProduceConfig
 from app.produce import produce
 from app.snapshot import list_manifests
@@ -21,6 +23,7 @@ def _wait(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.5)
 
 
+@pytest.mark.early_metrics
 def test_watch_alerts_on_lag_while_paused_then_catches_up(settings, ray_cluster, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="app.watch")
     pause = tmp_path / "pause"
