@@ -1,11 +1,11 @@
-# Argus image: the official Ray image (Ray 2.55.1, Python 3.11) plus the `app` package.
+# Argus image: the official Ray image (Ray 2.57.1, Python 3.11) plus the `app` package.
 # KubeRay (kuberay/*.yaml) runs it as head, worker and job-submitter; it needs no CMD.
 #
 #   docker build -t ghcr.io/argus/argus:0.1.0 .                     # CUDA image (default)
 #   docker build --build-arg RAY_VARIANT=cpu \
 #       --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu \
 #       -t ghcr.io/argus/argus:0.1.0-cpu .                          # CPU-only image
-ARG RAY_VERSION=2.55.1
+ARG RAY_VERSION=2.57.1
 ARG RAY_VARIANT=gpu
 FROM rayproject/ray:${RAY_VERSION}-py311-${RAY_VARIANT}
 

@@ -124,37 +124,26 @@ def _federate(settings: Settings, args) -> int:
 
 
 def _serve(settings: Settings, args) -> int:
+    from app import serve
     from app.cluster import ray_session
-    from app.serve import deploy
 
     cfg = from_namespace(ServeConfig, args)
     if cfg.detach:
         if not settings.ray_address:
             raise ConfigError("--detach needs a running cluster: pass --ray-address (or set RAY_ADDRESS)")
         with ray_session(settings):
-            print(f"deployed on {deploy(settings, cfg, blocking=False)}")
+            print(f"deployed on {serve.deploy_detached(settings, cfg)}")
         return 0
     stop = _stop_event()
     with ray_session(settings):
-        from ray import serve
-
-        url = deploy(settings, cfg, blocking=False)
-        print(f"serving on {url} (POST /predict, GET /healthz, GET /model, /docs); Ctrl-C stops", flush=True)
-        while not stop.wait(0.2):  # a timed wait lets the signal handler run promptly
-            pass
-        serve.shutdown()
+        serve.serve_until(settings, cfg, stop)
     return 0
 
 
 def _promote(settings: Settings, args) -> int:
-    from app import registry
-    from app.serve import wait_for_version
+    from app.rollout import PromoteConfig, promote
 
-    registry.promote(settings.tracking_uri, settings.model_name, args.version, args.alias)
-    print(f"{settings.model_name}@{args.alias} → v{args.version}")
-    if args.wait_url:
-        wait_for_version(args.wait_url.rstrip("/"), args.version)
-        print(f"{args.wait_url} serves v{args.version}")
+    print(promote(settings, from_namespace(PromoteConfig, args)))
     return 0
 
 
@@ -213,7 +202,7 @@ COMMANDS = {
     ),
     "serve": Command("deploy the Ray Serve application on the model alias", _serve, options.add_serve),
     "promote": Command(
-        "point the alias at VERSION; running replicas switch with no failed request",
+        "point the alias at VERSION; waits until every replica of a running deployment serves it",
         _promote,
         options.add_promote,
     ),

@@ -243,6 +243,9 @@ class TrainConfig:
     run_name: str | None = None
     """Rerunning with the same name resumes from its last checkpoint."""
     max_failures: int = 2
+    resize_check_s: float = 60.0
+    """How often an elastic group looks for room to grow (Ray Train's default); growing restarts
+    it, with more workers, from its last checkpoint."""
     promote_if_better: bool = False
     """Move the serving alias to the new version only if it beats the champion on the test slice."""
     fail_at_epoch: int | None = None
@@ -264,6 +267,7 @@ class TrainConfig:
             f"--num-workers must be >= 1 (and MIN <= MAX), got {self.num_workers}",
         )
         _require(self.cpus_per_worker > 0, "--cpus-per-worker must be > 0")
+        _require(self.resize_check_s > 0, "--resize-check-s must be > 0")
         _require(self.amp in AMP_MODES, f"--amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
         _require(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
         _require(self.lr > 0, "--lr must be > 0")

@@ -121,6 +121,9 @@ def add_train(parser) -> None:
     parser.add_argument("--weights", help="local ResNet state dict to start the backbone from")
     parser.add_argument("--run-name", help="rerunning with the same name resumes it")
     parser.add_argument("--max-failures", type=int, help="worker failures to recover from (default 2)")
+    parser.add_argument(
+        "--resize-check-s", type=float, help="how often an elastic group looks for room to grow (default 60)"
+    )
     add_promote_if_better(parser)
     parser.add_argument("--fail-at-epoch", type=int, help=argparse.SUPPRESS)
 
@@ -204,7 +207,14 @@ def add_broker(parser) -> None:
 def add_promote(parser) -> None:
     parser.add_argument("version")
     parser.add_argument("--alias", default="champion")
-    parser.add_argument("--wait-url", help="wait until this endpoint's /healthz reports VERSION")
+    parser.add_argument(
+        "--wait-url",
+        help="wait until every replica behind this endpoint serves VERSION "
+        "(default: the deployment `serve` recorded under the storage dir)",
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, help="fail (exit 1) if not every replica serves it by then (default 120)"
+    )
 
 
 def add_watch(parser) -> None:

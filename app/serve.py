@@ -3,10 +3,13 @@
     python -m app serve --http-port 8000          # foreground until Ctrl-C, like `serve run`
     serve run app.serve:build_app mlflow_uri=...  # the same application through Serve's own CLI
 
-Each replica serves the version the alias (default `champion`) points at and polls the alias; a
-new version is loaded beside the old one and swapped in with one reference assignment, so a
-rollout drops no request. Requests share the training transform and are batched with
-`@serve.batch`. Bad input is a JSON 4xx and never reaches the model.
+Each replica polls the alias (default `champion`) and *prepares* its version, loaded beside the one
+it serves; `app/rollout.py`'s coordinator activates a version on every replica at once, at a wall
+time every replica knows beforehand, so a rollout drops no request and no client sees new → old.
+A version that does not load is not activated anywhere: replicas keep serving the old one and say
+why (/healthz, /rollout). Every response names its replica (`X-Argus-Replica`). Requests share the
+training transform and are batched with `@serve.batch`. Bad input is a JSON 4xx and never reaches
+the model.
 
 No `from __future__ import annotations` here: FastAPI must resolve the route annotations
 (`Request`) on the methods Serve rewrites into class-based views.
@@ -27,7 +30,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app import metrics, registry
+from app import metrics, registry, rollout
 from app.config import DEFAULT_MODEL_NAME
 from app.model import local_device
 from app.transform import BadImage, decode_pixels, image_statistics, normalize
@@ -37,12 +40,45 @@ log = logging.getLogger(__name__)
 DEPLOYMENT = "ArgusModel"
 APPLICATION = "argus"
 IMAGE_TYPES = {"image/jpeg", "image/png", "image/webp", "application/octet-stream"}
+REPLICA_HEADER = "X-Argus-Replica"
+RETRY_FAILED_LOAD_S = 30.0
+"""A version that failed to load is tried again after this long (an artifact fixed in place)."""
 
 api = FastAPI(title="Argus behaviour-image classifier", version="1")
 
 
+def replica_id() -> str:
+    return serve.get_replica_context().replica_id.unique_id
+
+
+class ReplicaHeader:
+    """Pure ASGI middleware: every response names the replica that answered it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        header = REPLICA_HEADER.lower().encode()
+
+        async def send_named(message):
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if all(name.lower() != header for name, _ in headers):
+                    headers.append((header, replica_id().encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_named)
+
+
+api.add_middleware(ReplicaHeader)
+
+
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+    # The header here too: Starlette answers unhandled exceptions outside user middleware.
+    return JSONResponse({"error": message}, status_code=status, headers={REPLICA_HEADER: replica_id()})
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -165,55 +201,255 @@ class ArgusModel:
         threads: int = 1,
         traffic_dir: str | None = None,
     ):
+        import ray
+
         torch.set_num_threads(threads)
         self.device = local_device()  # a replica given `num_gpus` keeps its models on that GPU
         self.traffic = TrafficLog(traffic_dir) if traffic_dir else None
         self.mlflow_uri, self.model_name, self.alias = mlflow_uri, model_name, alias
-        self.max_body_bytes = max_body_bytes
-        self.current: registry.LoadedModel | None = None
+        self.max_body_bytes, self.poll_s = max_body_bytes, poll_s
         self.predict_batch.set_max_batch_size(max_batch_size)
         self.predict_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
-        self._refresh()
+        context = serve.get_replica_context()
+        self.replica, self.node = replica_id(), ray.get_runtime_context().get_node_id()
+        self.serving: registry.LoadedModel | None = None
+        """Answers requests accepted now."""
+        self.prepared: registry.LoadedModel | None = None
+        """Loaded beside `serving`, answering requests once the coordinator's activation time comes."""
+        self.plan: rollout.Plan | None = None
+        self.error: str | None = None
+        self._failed_at: dict[str, float] = {}
+        self._swap = threading.Lock()
+        self._loading = threading.Lock()  # one load at a time: the alias poller or check_health
+        self._coordinator_answered = threading.Event()
+        self._coordinator_reachable = True
+        self._link = rollout.CoordinatorLink(
+            rollout.coordinator_name(context.app_name, mlflow_uri, model_name, alias), context, poll_s
+        )
         self._stop = threading.Event()
-        threading.Thread(target=self._follow_alias, args=(poll_s,), daemon=True, name="alias-poller").start()
+        self.alias_version = registry.resolve(mlflow_uri, model_name, alias)
+        # Report before loading anything: a starting replica counts as live, so no activation is
+        # scheduled without it, and the first answer says what is active.
+        threading.Thread(target=self._report_loop, daemon=True, name="rollout-reporter").start()
+        if not self._coordinator_answered.wait(rollout.stale_after_s(poll_s) + 10):
+            log.warning("no answer from the rollout coordinator: serving the alias's version")
+        self._load_initial()
+        threading.Thread(target=self._follow_alias, daemon=True, name="alias-poller").start()
 
-    def _refresh(self) -> None:
-        version = registry.resolve(self.mlflow_uri, self.model_name, self.alias)
-        if version is None or (self.current and self.current.version == version):
-            return
-        loaded = registry.load(self.mlflow_uri, self.model_name, version)  # load first, then swap
+    def __del__(self):
+        stop = getattr(self, "_stop", None)  # None when __init__ failed early
+        if stop is not None:
+            stop.set()
+
+    def _load(self, version: str) -> registry.LoadedModel:
+        loaded = registry.load(self.mlflow_uri, self.model_name, version)
         loaded.model.to(self.device)
-        previous, self.current = self.current, loaded
-        log.info(
-            "now serving %s v%s on %s (was %s)",
-            self.model_name,
-            version,
-            self.device,
-            previous and previous.version,
+        return loaded
+
+    def _load_initial(self) -> None:
+        plan = self.plan
+        if plan is None:  # no coordinator state: the alias's version, directly
+            if self.alias_version is not None:
+                self.serving = self._load(self.alias_version)
+        elif time.time() < plan.at and plan.previous:
+            # Started while an activation is pending: the old version until its time, then the new.
+            self.serving, self.prepared = self._load(plan.previous), self._load(plan.version)
+        else:
+            self.serving = self._load(plan.version)  # what every other replica serves
+        log.info("replica %s serving v%s", self.replica, self.serving and self.serving.version)
+
+    def _model_for(self, accepted_at: float) -> registry.LoadedModel | None:
+        """The version a request accepted at `accepted_at` (time.time()) gets: the prepared one
+        from the activation's time on, which also makes it the served one."""
+        plan, prepared = self.plan, self.prepared
+        if plan is not None and prepared is not None and prepared.version == plan.version:
+            if accepted_at >= plan.at:
+                with self._swap:
+                    if self.prepared is prepared:
+                        previous, self.serving, self.prepared = self.serving, prepared, None
+                        log.info("now serving v%s (was v%s)", prepared.version, previous and previous.version)
+        return self.serving
+
+    def _has(self, version: str) -> bool:
+        return any(m is not None and m.version == version for m in (self.serving, self.prepared))
+
+    def _report(self) -> rollout.ReplicaReport:
+        serving, prepared = self.serving, self.prepared
+        return rollout.ReplicaReport(
+            replica=self.replica,
+            node=self.node,
+            serving=serving.version if serving else None,
+            prepared=prepared.version if prepared else None,
+            alias_version=self.alias_version,
+            error=self.error,
+            plan=self.plan,
         )
 
-    def _follow_alias(self, poll_s: float) -> None:
-        while not self._stop.wait(poll_s):
+    def _report_now(self) -> bool:
+        """Report to the coordinator and follow its answer; False when it is unreachable."""
+        self._model_for(time.time())  # activate when due even without traffic, so reports are true
+        try:
+            answer = self._link.call("report", self._report().to_dict(), timeout_s=max(5.0, 2 * self.poll_s))
+        except Exception as exc:  # fail safe: keep serving what this replica serves
+            if self._coordinator_reachable:
+                log.warning(
+                    "rollout coordinator unreachable (%s): no version activates until it is back", exc
+                )
+            self._coordinator_reachable = False
+            return False
+        self._coordinator_reachable = True
+        self._follow_plan(rollout.Plan.from_dict(answer["plan"]))
+        if answer["ready"]:
+            self._coordinator_answered.set()
+        return True
+
+    def _report_loop(self) -> None:
+        while True:
+            self._report_now()
+            if self._stop.wait(self.poll_s):
+                return
+
+    def _follow_plan(self, plan: rollout.Plan | None) -> None:
+        current = self.plan
+        if plan is None or plan == current or (current is not None and plan.at < current.at):
+            return  # a new coordinator that knows nothing yet, or an older plan: keep ours
+        if self.serving is not None and time.time() >= plan.at and not self._has(plan.version):
+            log.warning("learned of v%s's activation after its time: catching up", plan.version)
+        log.info("v%s activates in %.1fs", plan.version, plan.at - time.time())
+        self.plan = plan
+
+    def _follow_alias(self) -> None:
+        while not self._stop.wait(self.poll_s):
             try:
-                self._refresh()
+                self._prepare()
             except Exception:  # a registry hiccup must not stop the replica serving what it has
-                log.exception("could not refresh the model behind alias %r", self.alias)
+                log.exception("could not follow alias %r", self.alias)
+
+    def _wanted(self) -> str | None:
+        """The version to have loaded next: the activation's (catching up), nothing while one is
+        pending (its version holds the prepared slot), else the alias's."""
+        plan = self.plan
+        if plan is not None and not self._has(plan.version):
+            return plan.version
+        if plan is not None and time.time() < plan.at:
+            return None
+        return self.alias_version
+
+    def _prepare(self) -> None:
+        """Load the wanted version beside the served one; on failure keep serving and say why."""
+        with self._loading:
+            self.alias_version = registry.resolve(self.mlflow_uri, self.model_name, self.alias)
+            self._model_for(time.time())
+            target = self._wanted()
+            if target is None:
+                return
+            if self.prepared is not None and self.prepared.version != target:
+                # The alias moved away from the prepared version. Tell the coordinator first (it
+                # schedules nothing on a version a replica's alias has left) and learn whether that
+                # version was scheduled meanwhile: if so, keep it for its activation.
+                if not self._report_now() or self._wanted() != target:
+                    return
+                with self._swap:
+                    self.prepared = None
+            if self._has(target):
+                self.error = None
+                return
+            failed_at = self._failed_at.get(target)
+            if failed_at is not None and time.monotonic() - failed_at < RETRY_FAILED_LOAD_S:
+                return
+            try:
+                loaded = self._load(target)
+            except Exception as exc:
+                self._failed_at[target] = time.monotonic()
+                reason = (str(exc).strip().splitlines() or [""])[0][:300]
+                self.error = f"cannot load v{target}: {type(exc).__name__}: {reason}"
+                log.warning("%s; still serving v%s", self.error, self.serving and self.serving.version)
+                return
+            self._failed_at.pop(target, None)
+            self.error = None
+            with self._swap:
+                if self.serving is None:
+                    self.serving = loaded  # nothing served yet: nothing to be consistent with
+                else:
+                    self.prepared = loaded
+            log.info("v%s prepared beside v%s", target, self.serving.version)
 
     async def check_health(self) -> None:
-        if self.current is None:
-            self._refresh()
+        if self.serving is None:
+            await asyncio.to_thread(self._prepare)
+            if self.serving is None and self.error:
+                raise RuntimeError(self.error)
+
+    def _no_model(self) -> JSONResponse:
+        return _error(503, f"no model version behind alias {self.alias!r} yet")
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
-        if self.current is None:
-            return _error(503, f"no model version behind alias {self.alias!r} yet")
-        return JSONResponse({"status": "ok", "model_version": self.current.version})
+        serving = self._model_for(time.time())
+        if serving is None:
+            return self._no_model()
+        alias = self.alias_version
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model_version": serving.version,
+                "replica": self.replica,
+                "alias_version": alias,
+                "behind": alias is not None and alias != serving.version,
+                "error": self.error,
+            }
+        )
+
+    @api.get(
+        "/rollout",
+        summary="Where the rollout stands on every live replica",
+        description="Read-only, from the rollout coordinator: the active version and the wall time "
+        "(`activate_at`, Unix seconds) from which requests get it, and each live replica's served and "
+        "prepared version, load error, node and the age of its last report.",
+        responses={
+            200: {
+                "content": {
+                    "application/json": {
+                        "example": {
+                            "active_version": "2",
+                            "activate_at": 1767225600.0,
+                            "previous_version": "1",
+                            "pending": False,
+                            "now": 1767225612.5,
+                            "running_replicas": 1,
+                            "replicas": [
+                                {
+                                    "replica": "k3j2x9ab",
+                                    "node": "5f1c0e…",
+                                    "serving": "2",
+                                    "prepared": None,
+                                    "alias_version": "2",
+                                    "error": None,
+                                    "age_s": 0.4,
+                                }
+                            ],
+                        }
+                    }
+                }
+            },
+            503: {
+                "description": "the rollout coordinator is unreachable",
+                "content": {"application/json": {"example": {"error": "rollout coordinator unreachable: …"}}},
+            },
+        },
+    )
+    async def rollout_state(self) -> JSONResponse:
+        try:
+            state = await asyncio.to_thread(self._link.call, "snapshot", timeout_s=5.0)
+        except Exception as exc:
+            return _error(503, f"rollout coordinator unreachable: {type(exc).__name__}: {exc}")
+        return JSONResponse(state)
 
     @api.get("/model")
     async def model_info(self) -> JSONResponse:
-        current = self.current
+        current = self._model_for(time.time())
         if current is None:
-            return _error(503, f"no model version behind alias {self.alias!r} yet")
+            return self._no_model()
         card = current.card
         return JSONResponse(
             {
@@ -233,7 +469,7 @@ class ArgusModel:
     @api.post("/predict")
     async def predict(self, request: Request) -> JSONResponse:
         started = time.perf_counter()
-        current = self.current
+        current = self._model_for(time.time())  # the version is fixed when the request is accepted
         response = await self._predict(request, current)
         version = current.version if current else "none"
         metrics.inc("argus_serve_requests", status=response.status_code, model_version=version)
@@ -242,7 +478,7 @@ class ArgusModel:
 
     async def _predict(self, request: Request, current: registry.LoadedModel | None) -> JSONResponse:
         if current is None:
-            return _error(503, f"no model version behind alias {self.alias!r} yet")
+            return self._no_model()
         try:
             value = await _read_image_bytes(request, self.max_body_bytes)
             if not value:
@@ -310,6 +546,30 @@ def deploy(settings, cfg, *, blocking: bool) -> str:
     url = f"http://{cfg.http_host}:{cfg.http_port}"
     log.info("serving %s@%s on %s", settings.model_name, cfg.alias, url)
     return url
+
+
+def deploy_detached(settings, cfg) -> str:
+    """`python -m app serve --detach`: deploy onto the running cluster and record where, for `promote`."""
+    url = deploy(settings, cfg, blocking=False)
+    rollout.record_deployment(settings, url, foreground=False)
+    return url
+
+
+def serve_until(settings, cfg, stop: threading.Event) -> None:
+    """`python -m app serve`: deploy, record the deployment (so a plain `promote VERSION` waits for
+    its replicas), serve until `stop` is set, then remove the record and shut Serve down."""
+    url = deploy(settings, cfg, blocking=False)
+    rollout.record_deployment(settings, url, foreground=True)
+    try:
+        print(
+            f"serving on {url} (POST /predict, GET /healthz, GET /rollout, GET /model, /docs); Ctrl-C stops",
+            flush=True,
+        )
+        while not stop.wait(0.2):  # a timed wait lets the signal handler run promptly
+            pass
+    finally:
+        rollout.forget_deployment(settings)
+        serve.shutdown()
 
 
 def wait_for_version(url: str, version: str | None = None, timeout_s: float = 60.0) -> str:

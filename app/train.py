@@ -47,6 +47,11 @@ MATERIALIZE_SHARE = 0.25
 FEATURE_BYTES = core.FEATURE_DIM * 4
 SHUFFLE_BATCHES = 16
 """Training batches are drawn from a buffer of this many batches' rows, reshuffled each epoch."""
+INPUT_TASK_CPUS = 0
+"""Training's input tasks reserve no CPU. An elastic group may hold every CPU of a node (after a
+node loss it restarts on what is left), and the reads that feed it, or the rebuilding of blocks lost
+with the node, must still run: with a quarter CPU each they waited for good (tests/integration/
+test_multinode.py). They are light beside the training step they feed."""
 
 
 # ---------------------------------------------------------------- what runs on each worker
@@ -314,21 +319,26 @@ def build_datasets(
     """Train, validation and test datasets cut at event-time quantiles (`app.selection`)."""
     import ray.data
 
-    ray.data.DataContext.get_current().execution_options.preserve_order = True  # reproducible shards
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True  # reproducible shards
+    # Ray 2.57's parquet reader (datasource V2) lists files in 1-CPU tasks that take no
+    # `ray_remote_args`: behind workers that hold every CPU they never run. The V1 reader honours
+    # INPUT_TASK_CPUS.
+    context.use_datasource_v2 = False
     paths = data_file_uris(settings, manifests)  # only the files the manifests list, checked
     column = "features" if features else "image"
     # Snapshots cut at another size keep their sources (`select_snapshots` checked): resize those.
     resize = not features and any(m.image_size != settings.image_size for m in manifests)
     stored = "source" if resize else column
     size = settings.image_size
-    read_args = {"file_extensions": ["parquet"], "ray_remote_args": {"num_cpus": 0.25}}
+    read_args = {"file_extensions": ["parquet"], "ray_remote_args": {"num_cpus": INPUT_TASK_CPUS}}
     times = ray.data.read_parquet(paths, columns=["event_time", "label"], **read_args).to_pandas()
     split = EventTimeSplit.of(times[times["label"].isin(classes)]["event_time"].to_numpy(), val_fraction)
     dataset = ray.data.read_parquet(paths, columns=[stored, "label", "event_time"], **read_args)
 
     def labelled(batch):
-        # One 0.25-CPU map does label filter, slice tag and projection: a separate filter or
-        # select_columns op would schedule 1-CPU tasks that a busy small cluster never fits.
+        # One map does label filter, slice tag and projection: a separate filter or select_columns
+        # op would schedule 1-CPU tasks.
         rows = np.isin(batch["label"], classes)
         if rows.any():  # an empty tensor column would not convert to Arrow
             inputs = batch[stored][rows]
@@ -340,13 +350,21 @@ def build_datasets(
                 "slice": split.slice_of(batch["event_time"][rows]).astype(np.int8),
             }
 
-    rows = dataset.map_batches(labelled, batch_format="numpy", num_cpus=0.25)
+    rows = dataset.map_batches(labelled, batch_format="numpy", num_cpus=INPUT_TASK_CPUS)
     record_bytes = FEATURE_BYTES if features else 3 * size * size  # uint8 pixels
-    held = (split.train + split.val + split.test) * record_bytes <= MATERIALIZE_SHARE * _object_store_bytes()
+    input_bytes = (split.train + split.val + split.test) * record_bytes
+    held = input_bytes <= MATERIALIZE_SHARE * _object_store_bytes()
     if held:
         # Read once, not once per slice and epoch: the epochs then stream from memory, and no read
         # task competes with the training workers for the cores.
+        log.info("holding the input (%.1f MB) in the object store", input_bytes / 1e6)
         rows = rows.materialize()
+    else:
+        log.info(
+            "streaming the input (%.1f MB, over %.0f%% of the object store) from storage every epoch",
+            input_bytes / 1e6,
+            100 * MATERIALIZE_SHARE,
+        )
 
     def event_slice(wanted: int):
         def keep(batch):
@@ -354,7 +372,7 @@ def build_datasets(
             if chosen.any():
                 yield {column: batch[column][chosen], "label_index": batch["label_index"][chosen]}
 
-        sliced = rows.map_batches(keep, batch_format="numpy", num_cpus=0.25)
+        sliced = rows.map_batches(keep, batch_format="numpy", num_cpus=INPUT_TASK_CPUS)
         return sliced.materialize() if held else sliced
 
     return Datasets(event_slice(TRAIN), event_slice(VALIDATION), event_slice(TEST), split)
@@ -434,6 +452,7 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
             num_workers=cfg.num_workers,
             use_gpu=cfg.use_gpu,
             resources_per_worker={"CPU": cfg.cpus_per_worker},
+            elastic_resize_monitor_interval_s=cfg.resize_check_s,
         ),
         run_config=ray.train.RunConfig(
             name=run_name,

@@ -63,14 +63,6 @@ def s3_bucket(s3_endpoint) -> str:
     return name
 
 
-def pytest_collection_modifyitems(config, items):
-    """`early_metrics` tests run first (a stable sort: the rest keep their order). Ray's metrics
-    endpoint renders every series the session has made, and Ray Data adds ~100 KB of them per
-    dataset: late in a full run one scrape measured over 180 s on 2 loaded cores. Mark whole
-    modules' worth of tests only, or a module-scoped fixture is set up twice."""
-    items.sort(key=lambda item: item.get_closest_marker("early_metrics") is None)
-
-
 @pytest.fixture(scope="session")
 def ray_cluster(s3_endpoint):
     """A local Ray sized like CI's machine; Ray Train's helpers and Serve share it. Yields the
@@ -97,10 +89,9 @@ def ray_cluster(s3_endpoint):
     ray.shutdown()
 
 
-# Ray's metrics endpoint is a single-threaded WSGI server that renders every series the session has
-# made (Ray Data alone adds ~100 KB per dataset: 25 MB and 3 s idle after 150). A request the client
-# abandons still occupies it, so on loaded cores short timeouts pile up into a backlog that never
-# drains. Wait for each answer instead, one request at a time.
+# Ray's metrics endpoint renders every series the session has made (Ray Data adds ~130 KB per
+# dataset, so a scrape late in a full run takes seconds on loaded cores). Wait for each answer, one
+# request at a time, rather than abandoning requests the agent still has to render.
 SCRAPE_TIMEOUT_S = 180
 
 
@@ -134,8 +125,8 @@ def scrape(metrics_port: int, *names: str, timeout_s: float = SCRAPE_TIMEOUT_S) 
 
 class MetricsWatcher:
     """Scrapes Ray's Prometheus endpoint in a thread for as long as the `with` block runs and keeps
-    every sample of the named metrics. Ray 2.55 exports a gauge once per `set` and its endpoint
-    drops it at the first scrape after, so a gauge is seen only by watching while the work runs."""
+    every sample of the named metrics. Ray keeps a gauge on the endpoint for two report intervals
+    after its last set, so a run's gauges are seen for certain only by watching while it runs."""
 
     def __init__(self, metrics_port: int, *names: str, match: str = ""):
         # `match` keeps only samples containing it (a topic, a run name): samples that earlier tests

@@ -87,8 +87,14 @@ def test_bad_input_is_a_json_4xx_and_the_service_keeps_serving(endpoint):
 
 def test_healthz_model_and_docs(trained, endpoint):
     settings, snapshot, _, report, _ = trained
-    health = requests.get(f"{endpoint}/healthz", timeout=10).json()
-    assert health == {"status": "ok", "model_version": report.version}
+    answer = requests.get(f"{endpoint}/healthz", timeout=10)
+    health = answer.json()
+    assert {k: health[k] for k in ("status", "model_version")} == {
+        "status": "ok",
+        "model_version": report.version,
+    }
+    assert health["replica"] == answer.headers["X-Argus-Replica"]
+    assert health["alias_version"] == report.version and health["behind"] is False and health["error"] is None
     info = requests.get(f"{endpoint}/model", timeout=10).json()
     assert info["name"] == settings.model_name and info["version"] == report.version
     assert info["run_id"] == report.run_id and info["classes"] == report.classes

@@ -1,0 +1,207 @@
+"""Real multi-node Ray clusters on one host for tests: `ray start --head` and `ray start --address`,
+each `--block` in its own process group with its own `--num-cpus` and a custom resource named after
+the node, so work can be placed on a chosen node. A node is killed as a machine would die: SIGKILL
+to its process group (raylet, object store, workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.broker import free_port
+from app.cluster import SERVE_ENV
+
+from conftest import ROOT, child_env
+
+VENV_BIN = Path(sys.executable).parent
+
+
+@dataclass
+class Node:
+    name: str
+    process: subprocess.Popen
+    log: Path
+    num_cpus: float
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+@dataclass
+class LocalRayCluster:
+    """A head node and any number of worker nodes. `address` is the GCS address (`--ray-address`),
+    `dashboard` the URL `ray job submit` and the state API take."""
+
+    log_dir: Path
+    address: str = ""
+    dashboard: str = ""
+    metrics_port: int = 0
+    nodes: dict[str, Node] = field(default_factory=dict)  # the started ones not killed
+    # Short: Ray's socket paths have a length limit.
+    temp_dir: str = field(default_factory=lambda: f"/tmp/argus-ray-{uuid.uuid4().hex[:6]}")
+
+    def env(self) -> dict[str, str]:
+        return child_env(
+            PATH=f"{VENV_BIN}:{os.environ['PATH']}",
+            PYTHONPATH=str(ROOT),
+            RAY_USAGE_STATS_ENABLED="0",
+            **SERVE_ENV,
+        )
+
+    def start_head(self, num_cpus: float, *options: str, name: str = "head") -> Node:
+        """The head node; `options` go to its `ray start` (e.g. `--object-store-memory=...`)."""
+        gcs_port, dashboard_port, self.metrics_port = free_port(), free_port(), free_port()
+        node = self._start(
+            name,
+            num_cpus,
+            [
+                "--head",
+                f"--port={gcs_port}",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={dashboard_port}",
+                f"--ray-client-server-port={free_port()}",
+                f"--metrics-export-port={self.metrics_port}",
+                f"--temp-dir={self.temp_dir}",
+                *options,
+            ],
+        )
+        self.address, self.dashboard = f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dashboard_port}"
+        self._wait(lambda: self._job_server_answers(), 120, "the head's job server")
+        self.wait_for_nodes(1)
+        return node
+
+    def add_node(self, name: str, num_cpus: float) -> Node:
+        assert self.address, "start the head first"
+        before = len(self.alive_node_ids())
+        # A session dir of its own: nodes sharing one would share runtime_resources/, and a node's
+        # runtime-env agent deletes a job's working dir there once its own workers are done with
+        # it, under the job driver running on another node (seen: the driver's cwd vanished).
+        temp_dir = f"{self.temp_dir}-{name}"
+        node = self._start(name, num_cpus, [f"--address={self.address}", f"--temp-dir={temp_dir}"])
+        self.wait_for_nodes(before + 1)
+        return node
+
+    def _start(self, name: str, num_cpus: float, args: list[str]) -> Node:
+        log = self.log_dir / f"ray-{name}.log"
+        process = subprocess.Popen(
+            [
+                str(VENV_BIN / "ray"),
+                "start",
+                "--block",
+                "--node-ip-address=127.0.0.1",
+                f"--num-cpus={num_cpus}",
+                f"--resources={json.dumps({f'node_{name}': 1})}",
+                # The one fixed default port of every node: nodes on one host would share it.
+                f"--dashboard-agent-listen-port={free_port()}",
+                # Workers take OS-assigned ports: two raylets on one host share the default range.
+                "--min-worker-port=0",
+                "--max-worker-port=0",
+                "--disable-usage-stats",
+                *args,
+            ],
+            env=self.env(),
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        node = Node(name, process, log, num_cpus)
+        self.nodes[name] = node
+        return node
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the node's whole process group, as a lost machine."""
+        node, alive = self.nodes.pop(name), len(self.alive_node_ids())
+        os.killpg(node.process.pid, signal.SIGKILL)
+        node.process.wait(30)
+        self.wait_for_nodes(alive - 1)  # the GCS's health checks have noticed
+
+    def alive_node_ids(self) -> list[str]:
+        from ray.util.state import list_nodes
+
+        try:
+            nodes = list_nodes(address=self.dashboard, timeout=10)
+        except Exception:  # the dashboard still starting, or busy
+            return []
+        return [n.node_id for n in nodes if n.state == "ALIVE"]
+
+    def wait_for_nodes(self, count: int, timeout_s: float = 120) -> None:
+        self._wait(lambda: len(self.alive_node_ids()) == count, timeout_s, f"{count} alive nodes")
+
+    def _job_server_answers(self) -> bool:
+        from ray.job_submission import JobSubmissionClient
+
+        try:
+            JobSubmissionClient(self.dashboard).list_jobs()
+            return True
+        except Exception:
+            return False
+
+    def _wait(self, condition, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            dead = {n.name: n.process.returncode for n in self.nodes.values() if not n.alive}
+            assert not dead, f"ray start exited {dead}: see {[str(self.nodes[d].log) for d in dead]}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(1)
+
+    def shutdown(self) -> None:
+        """Workers first, then the head; SIGTERM, then SIGKILL what is left of each group."""
+        for node in sorted(self.nodes.values(), key=lambda n: n.name == "head"):
+            if not node.alive:
+                continue
+            os.killpg(node.process.pid, signal.SIGTERM)
+            try:
+                node.process.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(node.process.pid, signal.SIGKILL)  # stragglers of the group
+            except ProcessLookupError:
+                pass
+            node.process.wait()
+        for directory in Path("/tmp").glob(f"{Path(self.temp_dir).name}*"):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def submit(dashboard: str, *command: str) -> str:
+    """`ray job submit --working-dir . --no-wait -- python -m app ...`, as the README shows; the job id."""
+    result = subprocess.run(
+        [str(VENV_BIN / "ray"), "job", "submit", "--address", dashboard, "--working-dir", ".", "--no-wait"]
+        + ["--", "python", "-m", "app", *command],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    return next(
+        line.split("'")[1]
+        for line in (result.stdout + result.stderr).splitlines()
+        if "submitted successfully" in line
+    )
+
+
+def wait_for_job(dashboard: str, job_id: str, timeout_s: float = 600) -> str:
+    """Wait for the job to end; assert it succeeded; its logs."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(dashboard)
+    deadline = time.monotonic() + timeout_s
+    while (status := client.get_job_status(job_id)) not in {
+        JobStatus.SUCCEEDED,
+        JobStatus.FAILED,
+        JobStatus.STOPPED,
+    }:
+        assert time.monotonic() < deadline, f"job {job_id} {status}: {client.get_job_logs(job_id)[-3000:]}"
+        time.sleep(2)
+    assert status == JobStatus.SUCCEEDED, client.get_job_logs(job_id)[-4000:]
+    return client.get_job_logs(job_id)
