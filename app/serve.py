@@ -439,11 +439,14 @@ class ArgusModel:
         },
     )
     async def rollout_state(self) -> JSONResponse:
-        try:
-            state = await asyncio.to_thread(self._link.call, "snapshot", timeout_s=5.0)
-        except Exception as exc:
-            return _error(503, f"rollout coordinator unreachable: {type(exc).__name__}: {exc}")
-        return JSONResponse(state)
+        # Twice: a coordinator that died with the replica that created it is created again by the
+        # second call (the replicas report to it within a poll).
+        for _ in range(2):
+            try:
+                return JSONResponse(await asyncio.to_thread(self._link.call, "snapshot", timeout_s=5.0))
+            except Exception as exc:
+                error = exc
+        return _error(503, f"rollout coordinator unreachable: {type(error).__name__}: {error}")
 
     @api.get("/model")
     async def model_info(self) -> JSONResponse:

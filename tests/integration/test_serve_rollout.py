@@ -219,8 +219,12 @@ def test_a_killed_replica_is_replaced_on_the_active_version(trained, fleet, unlo
             replica = ray.get_actor(f"SERVE_REPLICA::{APPLICATION}#{DEPLOYMENT}#{victim}", namespace="serve")
             ray.kill(replica, no_restart=True)
             deadline = time.monotonic() + 180
+            live = []
             while time.monotonic() < deadline:
-                live = rollout_state(fleet)["replicas"]
+                # If the victim created the coordinator, it died too: /rollout may answer 503 until
+                # a replica has created it again (promote's wait tolerates that the same way).
+                answer = requests.get(f"{fleet}/rollout", timeout=10)
+                live = answer.json()["replicas"] if answer.ok else []
                 ids = {r["replica"] for r in live}
                 if len(live) == REPLICAS and victim not in ids and all(r["serving"] == active for r in live):
                     break
