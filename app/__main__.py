@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -125,18 +127,22 @@ def _federate(settings: Settings, args) -> int:
 
 def _serve(settings: Settings, args) -> int:
     from app import serve
+    from app.access import TOKENS_ENV, AccessConfig
     from app.cluster import ray_session
 
     cfg = from_namespace(ServeConfig, args)
+    from_env = not args.api_tokens and os.environ.get(TOKENS_ENV)
+    policy = from_namespace(AccessConfig, args, **({"api_tokens": from_env} if from_env else {}))
+    policy.check_host(cfg.http_host)  # before Ray starts: an open API off loopback is a bad argument
     if cfg.detach:
         if not settings.ray_address:
             raise ConfigError("--detach needs a running cluster: pass --ray-address (or set RAY_ADDRESS)")
         with ray_session(settings):
-            print(f"deployed on {serve.deploy_detached(settings, cfg)}")
+            print(f"deployed on {serve.deploy_detached(settings, cfg, policy)}")
         return 0
     stop = _stop_event()
     with ray_session(settings):
-        serve.serve_until(settings, cfg, stop)
+        serve.serve_until(settings, cfg, stop, policy)
     return 0
 
 
@@ -247,6 +253,20 @@ def _configure_logging(verbose: bool) -> None:
     )
     for noisy in ("kafka", "urllib3", "alembic", "mlflow.store", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Argus's own lines on the console; Ray's logs, its workers' output and its progress in files
+    # (their folder is printed once) unless -v. Progress bars only on a terminal.
+    from app.cluster import ray_logs_to_files
+
+    ray_logs_to_files(not verbose)
+    if not verbose:
+        # Ray Data gives torch read-only arrays it never writes to and silences this with
+        # catch_warnings, which its prefetch threads race: the warning slips through.
+        warnings.filterwarnings(
+            "ignore", "The given NumPy array is not writable", UserWarning, r"ray\.data\.util\.torch_utils"
+        )
+    if not sys.stderr.isatty():
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # Ray colours its prefixes even in a pipe
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 MODELS = ("resnet50", "resnet18", "cnn")
 AMP_MODES = ("auto", "off", "bf16", "fp16")
@@ -74,6 +75,14 @@ class Settings:
         if self.bootstrap_servers is not None:
             for server in self.bootstrap_servers.split(","):
                 _parse_host_port(server)
+        for flag, uri in (("--mlflow-uri", self.mlflow_uri), ("--storage", self.storage)):
+            # A URI is logged, tagged in MLflow and part of `ray job submit` entrypoints.
+            _require(
+                urlsplit(uri or "").password is None,
+                f"{flag} carries a password: give credentials through the environment "
+                "(MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN; "
+                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY), never in a URI",
+            )
         if self.kafka_config is not None:
             from app.kafka_config import load_kafka_config
 
@@ -289,6 +298,9 @@ class ServeConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     replicas: int = 1
+    proxy_location: str = "EveryNode"
+    """Serve's HTTP proxies on every node (what a load balancer in front expects), or on the head
+    only: nodes sharing one host would all bind the same port."""
     alias: str = "champion"
     detach: bool = False
     max_batch_size: int = 16
@@ -300,6 +312,10 @@ class ServeConfig:
     def __post_init__(self) -> None:
         _require(0 < self.http_port < 65536, f"--http-port must be in 1..65535, got {self.http_port}")
         _require(self.replicas >= 1, f"--replicas must be >= 1, got {self.replicas}")
+        _require(
+            self.proxy_location in ("EveryNode", "HeadOnly"),
+            f"--proxy-location must be EveryNode or HeadOnly, got {self.proxy_location!r}",
+        )
         _require(self.max_batch_size >= 1, "--max-batch-size must be >= 1")
         _require(self.batch_wait_timeout_s >= 0, "--batch-wait-timeout-s must be >= 0")
         _require(self.max_body_bytes > 0, "--max-body-bytes must be > 0")

@@ -212,6 +212,30 @@ def ensure_topics(
         admin.close()
 
 
+def raw_row(message, watermark_ms: int, allowed_lateness_ms: int) -> tuple[dict, int]:
+    """One consumed record as a `RAW_SCHEMA` row (its headers' fields, late against the partition's
+    event-time watermark) and the watermark after it; a dead letter's stand-in time moves none."""
+    _, timestamp = message.timestamp()
+    try:  # never message.headers(): see message_headers
+        headers, unreadable = message_headers(message), None
+    except Exception as exc:
+        headers, unreadable = None, exc
+    row = header_fields(headers, timestamp, unreadable)
+    event_time = row["event_time"]
+    if row["header_error"] is None:
+        watermark_ms = max(watermark_ms, event_time)
+    row.update(
+        partition=message.partition(),
+        offset=message.offset(),
+        kafka_timestamp=timestamp,
+        late=event_time < watermark_ms - allowed_lateness_ms,
+        key=message.key().decode("utf-8", "replace") if message.key() else None,
+        value=message.value() or b"",
+        gap_end=None,
+    )
+    return row, watermark_ms
+
+
 RAW_SCHEMA = pa.schema(
     [
         ("partition", pa.int32()),
@@ -373,25 +397,7 @@ def read_partition_range(
                     break
                 last_progress = time.monotonic()
                 next_offset = offset + 1
-                _, timestamp = message.timestamp()
-                try:  # never message.headers(): see message_headers
-                    headers, unreadable = message_headers(message), None
-                except Exception as exc:
-                    headers, unreadable = None, exc
-                fields = header_fields(headers, timestamp, unreadable)
-                event_time = fields["event_time"]
-                if fields["header_error"] is None:  # a dead letter's stand-in time moves no watermark
-                    watermark_ms = max(watermark_ms, event_time)
-                fields.update(
-                    partition=partition,
-                    offset=offset,
-                    kafka_timestamp=timestamp,
-                    event_time=event_time,
-                    late=event_time < watermark_ms - allowed_lateness_ms,
-                    key=message.key().decode("utf-8", "replace") if message.key() else None,
-                    value=message.value() or b"",
-                    gap_end=None,
-                )
+                fields, watermark_ms = raw_row(message, watermark_ms, allowed_lateness_ms)
                 for name in RAW_SCHEMA.names:
                     rows[name].append(fields[name])
             if len(rows["offset"]) >= records_per_block or sum(map(len, rows["value"])) >= MAX_BLOCK_BYTES:

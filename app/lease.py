@@ -7,6 +7,14 @@ The holder is the newest generation while it is live. Acquiring creates generati
 both saw generation n expire exactly one wins. The holder renews its expiry from a thread and
 checks, before it commits, that no newer generation exists. A holder that died on this host (its
 pid is gone) is expired at once, so a killed ingest's rerun need not wait out the TTL.
+
+    <storage>/leases/<name>/shared/<owner>.json   a `SharedLease`: any number of holders at once
+
+A shared lease excludes the exclusive one at the same root and nothing else: several `watch`
+processes share a topic's lease (each also takes an exclusive lease per partition it reads, under
+`partitions/<p>/`), while a bulk `ingest`, which takes the exclusive one, waits for all of them to
+go, and they for it. Each side writes its record first and then looks for the other's, so of two
+that start at once at least one sees the other and backs off (both may, and retry).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from app import storage
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 30.0
+SHARED = "shared"
 
 
 class LeaseHeld(RuntimeError):
@@ -76,6 +85,7 @@ class Lease:
         self._fs, self._root = storage.filesystem(self.root_uri)
         self._stop = threading.Event()
         self._lost: str | None = None
+        self._thread: threading.Thread | None = None
 
     def _generations(self) -> list[int]:
         infos = self._fs.get_file_info(pafs.FileSelector(self._root, allow_not_found=True))
@@ -89,15 +99,41 @@ class Lease:
         return f"{self._root}/{generation:012d}.json"
 
     def _read(self, generation: int) -> Holder | None:
+        return self._read_path(self._path(generation))
+
+    def _read_path(self, path: str) -> Holder | None:
         try:
-            return Holder(**json.loads(storage.read_file(self._fs, self._path(generation))))
+            return Holder(**json.loads(storage.read_file(self._fs, path)))
         except FileNotFoundError:
             return None
         except (ValueError, TypeError):
-            log.warning(
-                "lease %s generation %d is unreadable; treating it as expired", self.root_uri, generation
-            )
+            log.warning("lease record %s is unreadable; treating it as expired", path)
             return None
+
+    def _own_path(self) -> str:
+        """The record this holder renews."""
+        return self._path(self.generation)
+
+    def _newest_live(self) -> Holder | None:
+        """The exclusive holder, if it is live."""
+        generations = self._generations()
+        holder = self._read(generations[-1]) if generations else None
+        return holder if holder is not None and holder.alive(time.time()) else None
+
+    def sharers(self) -> list[Holder]:
+        """The live holders of the `SharedLease` at this root; dead ones' records are deleted."""
+        root = f"{self._root}/{SHARED}"
+        live = []
+        for info in self._fs.get_file_info(pafs.FileSelector(root, allow_not_found=True)):
+            if not info.base_name.endswith(".json"):
+                continue
+            holder = self._read_path(info.path)
+            if holder is not None and holder.alive(time.time()):
+                live.append(holder)
+            else:  # its writer is gone: a record nobody renews again
+                with contextlib.suppress(FileNotFoundError, OSError):
+                    self._fs.delete_file(info.path)
+        return live
 
     def _record(self, acquired_at: float) -> bytes:
         """This writer's record, live for one more TTL."""
@@ -105,25 +141,35 @@ class Lease:
         return json.dumps(asdict(holder)).encode()
 
     def acquire(self) -> None:
-        """Become the holder, or raise LeaseHeld naming the live one."""
+        """Become the holder, or raise LeaseHeld naming the live one (or the sharers)."""
+        self._lost = None
         generations = self._generations()
         newest = generations[-1] if generations else 0
         holder = self._read(newest) if generations else None
         if holder is not None and holder.alive(time.time()):
             raise LeaseHeld(f"held by {holder.describe()}")
+        if self.sharers():  # the common case, answered without writing a generation
+            raise LeaseHeld(self._shared_by())
         if not storage.write_new(self._uri(newest + 1), self._record(time.time())):
             raise LeaseHeld("another writer acquired it at the same moment")
         self.generation = newest + 1
+        if self.sharers():  # written before looking, so a sharer starting now sees this generation
+            self.release()
+            raise LeaseHeld(self._shared_by())
         for old in generations:  # earlier generations are history once a newer one exists
             with contextlib.suppress(FileNotFoundError, OSError):
                 self._fs.delete_file(self._path(old))
 
-    def _renew(self) -> None:
+    def _shared_by(self) -> str:
+        sharers = self.sharers()
+        return f"shared by {len(sharers)} watcher(s): {', '.join(h.describe() for h in sharers)}"
+
+    def _renew(self, stop: threading.Event) -> None:
         acquired_at = time.time()
-        while not self._stop.wait(self.ttl_s / 3):
+        while not stop.wait(self.ttl_s / 3):
             try:
                 self.check()
-                storage.write_file(self._fs, self._path(self.generation), self._record(acquired_at))
+                storage.write_file(self._fs, self._own_path(), self._record(acquired_at))
             except LeaseLost as exc:
                 self._lost = str(exc)
                 return
@@ -151,14 +197,52 @@ class Lease:
             released = json.dumps({**asdict(holder), "expires_at": 0.0}).encode()
             storage.write_file(self._fs, self._path(self.generation), released)
 
+    def hold(self) -> Lease:
+        """Acquire (raising LeaseHeld when another writer is live) and renew until `release()`."""
+        self.acquire()
+        self._stop = threading.Event()  # a fresh one: this object may have held and released before
+        self._thread = threading.Thread(
+            target=self._renew, args=(self._stop,), daemon=True, name="lease-heartbeat"
+        )
+        self._thread.start()
+        return self
+
     @contextlib.contextmanager
     def held(self) -> Iterator[Lease]:
-        """Acquire (raising LeaseHeld when another writer is live), renew while inside, release."""
-        self.acquire()
-        thread = threading.Thread(target=self._renew, daemon=True, name="lease-heartbeat")
-        thread.start()
+        """`hold()` while inside, then release."""
+        self.hold()
         try:
             yield self
         finally:
             self.release()
-            thread.join(timeout=5)
+            self._thread.join(timeout=5)
+
+
+class SharedLease(Lease):
+    """Held by any number of writers at once, never while the exclusive `Lease` at its root is."""
+
+    def _own_path(self) -> str:
+        return f"{self._root}/{SHARED}/{self.owner}.json"
+
+    def acquire(self) -> None:
+        self._lost = None
+        if not storage.write_new(f"{self.root_uri}/{SHARED}/{self.owner}.json", self._record(time.time())):
+            raise LeaseHeld(f"owner id {self.owner} is taken")
+        self.generation = 0  # holding; no generation of the exclusive lease is this writer's
+        holder = self._newest_live()
+        if holder is not None:  # written before looking: an exclusive writer starting now sees this
+            self.release()
+            raise LeaseHeld(f"held by {holder.describe()}")
+
+    def check(self) -> None:
+        if self._lost:
+            raise LeaseLost(self._lost)
+        holder = self._read_path(self._own_path())
+        if holder is None or holder.owner != self.owner or holder.expires_at <= time.time():
+            raise LeaseLost(f"shared lease {self.root_uri} expired before the commit")
+
+    def release(self) -> None:
+        self._stop.set()
+        if self.generation is not None:
+            with contextlib.suppress(FileNotFoundError, OSError):
+                self._fs.delete_file(self._own_path())

@@ -33,6 +33,13 @@ _DEFINITIONS = {
     ),
     "argus_consumer_lag_seconds": ("gauge", "Age of the oldest record not yet in a snapshot", ("topic",)),
     "argus_lag_alerts": ("counter", "End-to-end lag above the alert threshold", ("topic",)),
+    "argus_lag_alert_active": (
+        "gauge",
+        "1 while the lag alert fires (lag above --lag-alert-s for --lag-alert-for-s), else 0",
+        ("topic",),
+    ),
+    "argus_watch_parts": ("counter", "Micro-batch parts `watch` committed", ("topic",)),
+    "argus_compactions": ("counter", "Compacted snapshots committed", ("topic",)),
     "argus_train_loss": ("gauge", "Training loss of the last epoch", ("run",)),
     "argus_train_val_accuracy": ("gauge", "Validation accuracy of the last epoch", ("run",)),
     "argus_train_images_per_second": ("gauge", "Training images per second (all workers)", ("run",)),
@@ -45,7 +52,17 @@ _DEFINITIONS = {
         ("status", "model_version"),
     ),
     "argus_serve_latency_seconds": ("histogram", "Request latency at the replica", ("model_version",)),
+    "argus_serve_replica_behind_alias": (
+        "gauge",
+        "1 while the replica serves another version than its alias names (or none), else 0",
+        ("replica",),
+    ),
     "argus_drift_psi": ("gauge", "Population stability index of served traffic vs training", ("feature",)),
+    "argus_drift_output": (
+        "gauge",
+        "Output drift: squared MMD of served vs reference softmax vectors (mmd2), its p-value (p_value)",
+        ("statistic",),
+    ),
 }
 
 

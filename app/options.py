@@ -132,6 +132,12 @@ def add_federate(parser) -> None:
     parser.add_argument("--rounds", type=int, help="federated rounds (default 5)")
     parser.add_argument("--clients", type=int, help="simulated clients, each a group of users (default 10)")
     parser.add_argument("--clients-per-round", type=int, help="clients sampled per round (default 5)")
+    parser.add_argument(
+        "--client-sampling",
+        choices=("fixed", "poisson"),
+        help="fixed: exactly --clients-per-round a round (default); poisson: each client with "
+        "probability clients-per-round/clients",
+    )
     parser.add_argument("--local-epochs", type=int, help="client epochs per round (default 1)")
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--lr", type=float, help="client SGD learning rate (default 0.05)")
@@ -174,10 +180,34 @@ def add_serve(parser) -> None:
     parser.add_argument("--http-host", help="default 127.0.0.1")
     parser.add_argument("--http-port", type=int, help="default 8000")
     parser.add_argument("--replicas", type=int, help="default 1")
+    parser.add_argument(
+        "--proxy-location",
+        choices=("EveryNode", "HeadOnly"),
+        help="where Serve runs HTTP proxies (default EveryNode; HeadOnly for several nodes on one host)",
+    )
     parser.add_argument("--alias", help="registry alias to serve (default champion)")
     parser.add_argument("--max-batch-size", type=int)
     parser.add_argument("--batch-wait-timeout-s", type=float)
     parser.add_argument("--max-body-bytes", type=int)
+    parser.add_argument(
+        "--api-tokens",
+        metavar="FILE",
+        help="bearer tokens for /predict, /model and /rollout: one token or sha256:<hex> per line "
+        "(ARGUS_API_TOKENS); required for a non-loopback --http-host",
+    )
+    parser.add_argument(
+        "--rate-limit",
+        type=float,
+        metavar="RPS",
+        help="requests/s per token and replica (default 50, 0: off)",
+    )
+    parser.add_argument("--rate-burst", type=int, help="requests a token may send at once (default 2 x RPS)")
+    parser.add_argument(
+        "--docs",
+        action="store_true",
+        default=None,
+        help="serve Swagger UI at /docs (/openapi.json is always up)",
+    )
     parser.add_argument(
         "--detach",
         action="store_true",
@@ -215,20 +245,63 @@ def add_promote(parser) -> None:
     parser.add_argument(
         "--timeout-s", type=float, help="fail (exit 1) if not every replica serves it by then (default 120)"
     )
+    parser.epilog = "A deployment with API tokens: set ARGUS_API_TOKEN to one, for the wait on GET /rollout."
 
 
 def add_watch(parser) -> None:
     add_ingest(parser)
     parser.add_argument("--lag-alert-s", type=float, help="alert threshold in seconds (default 5)")
-    parser.add_argument("--interval-s", type=float, help="pause between micro-batches (default 5)")
+    parser.add_argument(
+        "--lag-alert-for-s",
+        type=float,
+        help="alert only once lag stayed above the threshold this long (default 1)",
+    )
+    parser.add_argument(
+        "--interval-s", type=float, help="least time between two micro-batch cuts (default 0)"
+    )
+    parser.add_argument(
+        "--max-batch-delay-s",
+        type=float,
+        help="cut a micro-batch once its first record waited this long (default 1)",
+    )
+    parser.add_argument(
+        "--max-batch-records",
+        type=int,
+        help="cut a micro-batch once it holds this many offsets (default 2000)",
+    )
+    parser.add_argument("--max-in-flight", type=int, help="micro-batches written at once (default 2)")
     parser.add_argument("--pause-file", help="while this file exists, measure lag but do not ingest")
-    parser.add_argument("--max-ticks", type=int, help="stop after this many micro-batches")
+    parser.add_argument("--max-ticks", type=int, help="stop after committing this many micro-batches")
+    parser.add_argument(
+        "--compact-window-s",
+        type=float,
+        help="compact each closed window of parts into one snapshot (default 3600)",
+    )
+    parser.add_argument(
+        "--compact-max-records", type=int, help="also compact once a window's parts hold this many records"
+    )
+    parser.add_argument(
+        "--compact-grace-s",
+        type=float,
+        help="delete superseded parts this long after compaction (default 60)",
+    )
+    parser.add_argument(
+        "--session-timeout-s",
+        type=float,
+        help="consumer group session: a silent watch's partitions move to the others after this (default 6)",
+    )
 
 
 def add_drift(parser) -> None:
     parser.add_argument("--window-s", type=float, help="recent traffic window (default 3600)")
     parser.add_argument("--threshold", type=float, help="PSI above this is drift (default 0.2)")
     parser.add_argument("--label-threshold", type=float, help="predicted-class PSI threshold (default 0.5)")
+    parser.add_argument(
+        "--output-p-value",
+        type=float,
+        help="output drift when the MMD test of served vs reference probabilities has p below this "
+        "(default 0.01)",
+    )
     parser.add_argument("--min-requests", type=int, help="fewest requests for a verdict (default 30)")
     parser.add_argument(
         "--retrain",

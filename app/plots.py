@@ -20,7 +20,8 @@ def save_curves(history: list[dict], path: str, title: str, x: str = "epoch") ->
     loss_axis.set(xlabel=x, title="loss")
     accuracy_axis.set(xlabel=x, title="accuracy", ylim=(0, 1))
     for axis in (loss_axis, accuracy_axis):
-        axis.legend()
+        if axis.get_lines():  # a federated run under DP records no per-client curves
+            axis.legend()
         axis.grid(alpha=0.3)
     figure.suptitle(title)
     figure.tight_layout()

@@ -1,5 +1,8 @@
 """The MLflow model registry: the single source of model versions, their lineage and the alias
-that decides what is served (CONTRACT.md §5). Weights travel as safetensors, never as pickles.
+that decides what is served (CONTRACT.md §5). Weights travel as safetensors, never as pickles;
+registration records the SHA-256 of the weights and the card in the version's tags (the tracking
+server's database), and loading checks the artifacts against them and the card against what a
+model can be before anything is built from it.
 
     python -m app promote VERSION     # move the serving alias; replicas follow it
 """
@@ -7,6 +10,8 @@ that decides what is served (CONTRACT.md §5). Weights travel as safetensors, ne
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import json
 import logging
 import tempfile
@@ -16,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from app.config import MODELS
 from app.model import build_model, load_state_dict, save_state_dict
 
 log = logging.getLogger(__name__)
@@ -23,6 +29,13 @@ log = logging.getLogger(__name__)
 EXPERIMENT = "argus"
 WEIGHTS_FILE = "weights.safetensors"
 META_FILE = "argus_model.json"
+DIGEST_TAGS = {WEIGHTS_FILE: "weights_sha256", META_FILE: "card_sha256"}
+MAX_CLASSES = 1000
+
+
+class TamperedModel(RuntimeError):
+    """A registered version's artifacts do not match what registration recorded, or its card
+    describes no model Argus builds."""
 
 
 def _mlflow(tracking_uri: str):
@@ -110,6 +123,46 @@ class ModelCard:
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=2, sort_keys=True)
 
+    @classmethod
+    def from_json(cls, text: str) -> ModelCard:
+        """A card as stored, checked before a model is built from it: a known architecture, a
+        bounded class list and an image size training accepts."""
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise TamperedModel(f"model card is not JSON: {exc}") from None
+        known = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(fields, dict) or not set(fields) <= known:
+            raise TamperedModel(f"model card has unknown fields: {sorted(set(fields) - known)}")
+        try:
+            card = cls(**fields)
+        except TypeError as exc:  # a required field missing
+            raise TamperedModel(f"model card: {exc}") from None
+        classes = card.classes
+        checks = [
+            (card.arch in MODELS, f"arch {card.arch!r} is none of {', '.join(MODELS)}"),
+            (
+                isinstance(classes, list)
+                and 2 <= len(classes) <= MAX_CLASSES
+                and all(isinstance(c, str) and 0 < len(c) <= 200 for c in classes)
+                and len(set(classes)) == len(classes),
+                f"classes must be 2..{MAX_CLASSES} distinct names",
+            ),
+            (
+                isinstance(card.image_size, int) and 8 <= card.image_size <= 1024,
+                f"image_size {card.image_size!r} is outside 8..1024",
+            ),
+            (isinstance(card.features, bool), "features must be true or false"),
+        ]
+        for ok, why in checks:
+            if not ok:
+                raise TamperedModel(f"model card: {why}")
+        return card
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
 
 def register(
     tracking_uri: str,
@@ -128,6 +181,7 @@ def register(
     with tempfile.TemporaryDirectory() as tmp:
         save_state_dict(model, f"{tmp}/{WEIGHTS_FILE}")
         Path(tmp, META_FILE).write_text(card.to_json())
+        digests = {tag: _sha256(Path(tmp, name)) for name, tag in DIGEST_TAGS.items()}
         client.log_artifacts(run_id, tmp, artifact_path="model")
     source = f"{client.get_run(run_id).info.artifact_uri}/model"
     if not client.search_registered_models(filter_string=f"name = '{model_name}'"):
@@ -140,6 +194,7 @@ def register(
         "snapshot_ids": ",".join(s["snapshot_id"] for s in card.snapshots),
         "kafka_offsets": json.dumps({s["snapshot_id"]: s["offsets"] for s in card.snapshots}, sort_keys=True),
         **{f"metric.{k}": f"{v:.4f}" for k, v in card.metrics.items() if isinstance(v, (int, float))},
+        **digests,
     }
     version = client.create_model_version(model_name, source, run_id=run_id, tags=tags).version
     if alias_if_first and not _aliases(client, model_name):
@@ -189,12 +244,19 @@ class LoadedModel:
 
 
 def load(tracking_uri: str, model_name: str, version: str) -> LoadedModel:
-    """Rebuild a registered version from its card with the shared model factory, in eval mode."""
+    """Rebuild a registered version from its card with the shared model factory, in eval mode,
+    once its artifacts match the digests registration recorded (TamperedModel otherwise)."""
     mlflow = _mlflow(tracking_uri)
     model_version = mlflow.MlflowClient().get_model_version(model_name, version)
     with tempfile.TemporaryDirectory() as tmp:
         local = mlflow.artifacts.download_artifacts(artifact_uri=model_version.source, dst_path=tmp)
-        card = ModelCard(**json.loads(Path(local, META_FILE).read_text()))
+        for name, tag in DIGEST_TAGS.items():
+            recorded = model_version.tags.get(tag)
+            if recorded is None:
+                raise TamperedModel(f"{model_name} v{version} has no {tag} tag: register it again")
+            if _sha256(Path(local, name)) != recorded:
+                raise TamperedModel(f"{model_name} v{version}: {name} differs from what was registered")
+        card = ModelCard.from_json(Path(local, META_FILE).read_text())
         state = load_state_dict(str(Path(local, WEIGHTS_FILE)))
     model = build_model(card.arch, len(card.classes), features=card.features)
     model.load_state_dict(state)

@@ -189,6 +189,8 @@ class Manifest:
     pixel snapshots) hold ImageNet-normalised float32."""
     source: bool = False
     """Whether each row keeps its encoded image (`source`), from which any image size can be cut."""
+    supersedes: list[str] = field(default_factory=list)
+    """Ids of the parts a compacted snapshot replaces (`app.compact`); readers skip those."""
     format: str = FORMAT
 
     @classmethod
@@ -371,7 +373,67 @@ def verify_file(uri: str, expected: DataFile, data: bytes | None = None) -> byte
         raise CorruptSnapshot(f"{uri}: {len(data)} bytes, its manifest says {expected.size}")
     if expected.sha256 is not None and storage.sha256(data) != expected.sha256:
         raise CorruptSnapshot(f"{uri}: SHA-256 differs from its manifest's")
+    check_schema(uri, data)
     return data
+
+
+# Ray's tensor types carry only a JSON shape. Any other extension type (Ray's own
+# `arrow_pickled_object`, or one some library registers) may run code from the file when its
+# values are read, so a file that declares one is refused before anything reads it.
+TENSOR_EXTENSIONS = frozenset(
+    {"ray.data.arrow_tensor", "ray.data.arrow_tensor_v2", "ray.data.arrow_variable_shaped_tensor"}
+)
+# The columns readers take, by type; a tensor column by its element type.
+PLAIN_COLUMNS = {"label": "string", "event_time": "int64", "source": "binary"}
+TENSOR_COLUMNS = {"image": ("uint8", "float"), "features": ("float",)}
+
+
+def check_schema(uri: str, data: bytes) -> None:
+    """Refuse Parquet whose schema could make reading it run code, or that holds the columns
+    readers take with other types than the ones ingest writes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(pa.BufferReader(data))
+    except (pa.ArrowException, OSError) as exc:
+        raise CorruptSnapshot(f"{uri}: not readable Parquet ({exc})") from None
+    for name, extension, storage_type in _columns(schema):
+        if extension is not None and extension not in TENSOR_EXTENSIONS:
+            raise CorruptSnapshot(f"{uri}: column {name!r} has the extension type {extension!r}")
+        top = name.split(".")[0]
+        if (
+            name == top
+            and top in PLAIN_COLUMNS
+            and str(storage_type).removeprefix("large_") != PLAIN_COLUMNS[top]
+        ):
+            raise CorruptSnapshot(f"{uri}: column {name!r} is {storage_type}, not {PLAIN_COLUMNS[top]}")
+        if top in TENSOR_COLUMNS and name == top:
+            element = getattr(storage_type, "value_type", None)
+            if extension not in TENSOR_EXTENSIONS or str(element) not in TENSOR_COLUMNS[top]:
+                raise CorruptSnapshot(f"{uri}: column {name!r} is not a tensor of {TENSOR_COLUMNS[top]}")
+
+
+def _columns(schema):
+    """(dotted name, extension name or None, storage type) of every field, nested ones too. A
+    registered extension type shows as a type; an unregistered one only in the field's metadata."""
+    import pyarrow as pa
+
+    stack = [(field.name, field) for field in schema]
+    while stack:
+        name, field = stack.pop()
+        kind = field.type
+        extension = (field.metadata or {}).get(b"ARROW:extension:name")
+        extension = extension.decode(errors="replace") if extension is not None else None
+        if isinstance(kind, pa.BaseExtensionType):
+            extension, kind = kind.extension_name, kind.storage_type
+        yield name, extension, kind
+        if pa.types.is_struct(kind):
+            stack += [(f"{name}.{child.name}", child) for child in kind]
+        elif pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+            stack.append((f"{name}.item", kind.value_field))
+        elif pa.types.is_map(kind):
+            stack += [(f"{name}.key", kind.key_field), (f"{name}.value", kind.item_field)]
 
 
 def ledger_offsets(manifests: Iterable[Manifest], topic: str) -> tuple[dict[int, int], dict[int, int]]:
@@ -395,10 +457,20 @@ def write_offsets_file(settings: Settings, group: str, ends: dict[int, int]) -> 
     storage.write_file(fs, path, json.dumps(body, indent=2).encode())
 
 
+def live_manifests(manifests: Iterable[Manifest]) -> list[Manifest]:
+    """The manifests no other supersedes: a compacted snapshot and the parts it replaces may both
+    exist until the parts are deleted, and each offset must be read once (CONTRACT.md §2)."""
+    manifests = list(manifests)
+    superseded = {s for m in manifests for s in m.supersedes}
+    return [m for m in manifests if m.snapshot_id not in superseded]
+
+
 def select_snapshots(settings: Settings, wanted: tuple[str, ...] | None) -> list[Manifest]:
-    """The topic's snapshots with records (or exactly `wanted`), all of uint8 pixels at
+    """The topic's live snapshots with records (or exactly `wanted`), all of uint8 pixels at
     `settings.image_size`, or all keeping their source images (any size is then cut from those)."""
-    manifests = [m for m in list_manifests(settings) if m.topic == settings.topic and m.records > 0]
+    manifests = [
+        m for m in live_manifests(list_manifests(settings)) if m.topic == settings.topic and m.records > 0
+    ]
     if wanted:
         by_id = {m.snapshot_id: m for m in manifests}
         missing = [s for s in wanted if s not in by_id]

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -444,6 +445,7 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
         fault_marker=f"{storage_path}/{run_name}/.fault-fired",
         steps_per_epoch_hint=max(1, split.train // (cfg.batch_size * cfg.max_workers)),
     )
+    progress = _EpochLines(cfg.epochs)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=dataclasses.asdict(worker_config),
@@ -461,11 +463,13 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=2, checkpoint_score_attribute="val_accuracy", checkpoint_score_order="max"
             ),
+            callbacks=[progress.callback],
         ),
         datasets={"train": data.train, "val": data.val},
         dataset_config=_data_config(cfg),
     )
-    result = trainer.fit()
+    with progress:
+        result = trainer.fit()
     if result.error:
         raise RuntimeError(f"training failed: {result.error}")
     best_checkpoint, best_metrics = max(result.best_checkpoints, key=lambda cm: cm[1]["val_accuracy"])
@@ -528,6 +532,67 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
     return TrainReport(
         version, run_id, report_metrics, len(history), classes, history[-1]["checksum"], verdict
     )
+
+
+class _EpochLines:
+    """One line per epoch on the driver while `fit` runs (Ray's own report lines stay in its logs):
+    a Train callback, run on the controller, passes rank 0's metrics through a queue to a thread.
+    Progress lines are best effort: nothing here may fail a run."""
+
+    def __init__(self, epochs: int):
+        import ray.train
+        from ray.util.queue import Queue
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        class Relay(ray.train.UserCallback):
+            def __init__(self, queue):
+                self.queue = queue
+
+            def after_report(self, run_context, metrics, checkpoint):
+                try:
+                    self.queue.put(metrics[0], timeout=5)
+                except Exception:  # the queue gone or full: lose a progress line, not the run
+                    log.debug("epoch line dropped", exc_info=True)
+
+        # On the driver's node: a 0-CPU actor may land anywhere, and one on a node that dies would
+        # take the progress lines with it.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.epochs = epochs
+        self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
+        self.callback = Relay(self.queue)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._relay, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+
+    def __exit__(self, *exc):
+        self._done.set()  # every report is in the queue once `fit` returns: the thread drains it
+        self._thread.join()
+        self.queue.shutdown()
+
+    def _relay(self) -> None:
+        from ray.util.queue import Empty
+
+        while True:
+            try:
+                m = self.queue.get(timeout=0.5)
+            except Empty:
+                if self._done.is_set():
+                    return
+                continue
+            except Exception:  # the queue's actor is gone: no more lines
+                log.debug("epoch lines stopped", exc_info=True)
+                return
+            log.info(
+                "epoch %d/%d: train loss %.3f, validation accuracy %.3f, %.0f images/s, %.1fs",
+                m["epoch"] + 1,
+                self.epochs,
+                m["train_loss"],
+                m["val_accuracy"],
+                m["images_per_second"],
+                m["epoch_seconds"],
+            )
 
 
 def _accuracy_on(dataset, column: str, num_classes: int, model: nn.Module) -> float:

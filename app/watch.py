@@ -1,11 +1,15 @@
-"""`python -m app watch`: keep ingesting in micro-batches and alert on end-to-end lag.
+"""`python -m app watch`: continuous ingest with end-to-end lag gauges and alerts.
 
-    python -m app watch --interval-s 5 --lag-alert-s 5
+    python -m app watch --max-batch-delay-s 1 --lag-alert-s 5 --lag-alert-for-s 1
 
-Each tick measures, per partition, how many records are not yet in a snapshot and how old the
-oldest of them is (its Kafka timestamp against now), exports both as metrics, logs an alert at
-WARNING when the age exceeds `--lag-alert-s`, then ingests what is there. While `--pause-file`
-exists, ticks measure but do not ingest: an operator's brake, and how the alert is tested.
+One long-lived pipeline (`app.stream`): a consumer kept open in the consumer group, a pool of
+preprocessing actors kept warm, micro-batches cut by size or time and each committed as a small part
+(a snapshot with its own manifest) under the leases of its partitions, so offsets advance only with
+a durable commit; and, beside it, compaction of closed windows of parts into one snapshot each
+(`app.compact`, by whichever watch holds the compaction lease). Several watches in one `--group`
+share the topic's partitions; a bulk `ingest` waits while any of them runs, and they for it. While
+`--pause-file` exists nothing is cut or committed (lag keeps being measured): an operator's brake,
+and how the alert is tested.
 """
 
 from __future__ import annotations
@@ -14,11 +18,8 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from app import metrics
 from app.config import ConfigError, IngestConfig, Settings
-from app.ingest import ingest
 from app.kafka import KafkaConnection, partitions_of, probe_end_offsets
 from app.snapshot import ledger_offsets, list_manifests
 
@@ -27,20 +28,48 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class WatchConfig:
-    interval_s: float = 5.0
-    """Pause between micro-batches."""
+    interval_s: float = 0.0
+    """Least time between two micro-batch cuts (0: cut as soon as size or delay says)."""
+    max_batch_delay_s: float = 1.0
+    """Cut a micro-batch once its first record has waited this long."""
+    max_batch_records: int = 2000
+    """Cut a micro-batch once it holds this many offsets."""
+    max_in_flight: int = 2
+    """Micro-batches being preprocessed and written at once (commits stay in cut order)."""
     lag_alert_s: float = 5.0
-    """Alert when the oldest record not yet in a snapshot is older than this."""
+    """Alert when the oldest record not yet durable is older than this..."""
+    lag_alert_for_s: float = 1.0
+    """...for at least this long; the alert clears when lag drops back under the threshold."""
     pause_file: str | None = None
-    """While this file exists, measure but do not ingest."""
+    """While this file exists, measure lag but cut and commit nothing."""
     max_ticks: int | None = None
-    """Stop after this many ticks (None: until interrupted)."""
+    """Stop after committing this many micro-batches (None: until interrupted)."""
+    compact_window_s: float | None = 3600.0
+    """Compact the parts of each closed window of this many seconds (by part creation time) into
+    one snapshot; None: never compact."""
+    compact_max_records: int | None = None
+    """Also compact as soon as a window's parts hold this many records."""
+    compact_grace_s: float = 60.0
+    """Keep superseded parts this long after their compaction, for readers that listed them."""
+    session_timeout_s: float | None = None
+    """The consumer group's session timeout: a watch that stops heartbeating loses its partitions
+    to the others after this long (None: the Kafka properties' `session.timeout.ms`, else 6 s)."""
 
     def __post_init__(self) -> None:
-        if self.interval_s < 0 or self.lag_alert_s <= 0:
-            raise ConfigError("--interval-s must be >= 0 and --lag-alert-s > 0")
+        if self.interval_s < 0 or self.lag_alert_s <= 0 or self.lag_alert_for_s < 0:
+            raise ConfigError("--interval-s and --lag-alert-for-s must be >= 0 and --lag-alert-s > 0")
+        if self.max_batch_delay_s < 0 or self.max_batch_records < 1 or self.max_in_flight < 1:
+            raise ConfigError(
+                "--max-batch-delay-s must be >= 0, --max-batch-records and --max-in-flight >= 1"
+            )
         if self.max_ticks is not None and self.max_ticks < 1:
             raise ConfigError("--max-ticks must be >= 1")
+        if self.compact_window_s is not None and self.compact_window_s <= 0:
+            raise ConfigError("--compact-window-s must be > 0")
+        if self.compact_max_records is not None and self.compact_max_records < 1:
+            raise ConfigError("--compact-max-records must be >= 1")
+        if self.session_timeout_s is not None and self.session_timeout_s < 1:
+            raise ConfigError("--session-timeout-s must be >= 1")
 
 
 @dataclass
@@ -54,7 +83,8 @@ class Lag:
 
 
 def measure_lag(settings: Settings, kafka: KafkaConnection) -> Lag:
-    """Records behind the proven end of each partition, and the age of the oldest of them."""
+    """From outside any watch: records behind the proven end of each partition (the ledger's end
+    to it), and the age of the oldest of them."""
     from confluent_kafka import TopicPartition
 
     starts, _ = ledger_offsets(list_manifests(settings), settings.topic)
@@ -89,33 +119,37 @@ def watch(
     kafka: KafkaConnection,
     stop: threading.Event | None = None,
 ) -> int:
-    """Run ticks until `stop` is set or `max_ticks` ran; return the number of alerts raised."""
+    """Ingest continuously until `stop` is set or `max_ticks` parts committed; return the number
+    of lag alerts fired. Waits while a bulk `ingest` holds the topic's lease; starts its pipeline
+    over from the ledger when it lost what it held (`Restart`)."""
+    from app import kafka as kafka_clients
+    from app.compact import Compactor
+    from app.ingest import ingest_lease
+    from app.lease import LeaseHeld, SharedLease
+    from app.stream import Restart, Stream
+
     stop = stop or threading.Event()
-    alerts = ticks = 0
+    kafka_clients.ensure_topics(
+        kafka, settings.topic, settings.dlq_topic, settings.partitions, settings.replication_factor
+    )
+    # Shared: other watches of the topic hold it too; a bulk ingest's exclusive hold excludes them all.
+    lease = SharedLease(ingest_lease(settings, ingest_cfg).root_uri, ttl_s=ingest_cfg.lease_ttl_s)
+    waiting = False
     while not stop.is_set():
-        lag = measure_lag(settings, kafka)
-        for partition, records in lag.records.items():
-            metrics.set_gauge(
-                "argus_consumer_lag_records", records, topic=settings.topic, partition=partition
-            )
-        metrics.set_gauge("argus_consumer_lag_seconds", lag.oldest_age_s, topic=settings.topic)
-        if lag.oldest_age_s > cfg.lag_alert_s:
-            alerts += 1
-            metrics.inc("argus_lag_alerts", topic=settings.topic)
-            log.warning(
-                "LAG ALERT: %d records of %s wait, the oldest for %.1fs (threshold %.1fs)",
-                lag.total,
-                settings.topic,
-                lag.oldest_age_s,
-                cfg.lag_alert_s,
-            )
-        paused = cfg.pause_file is not None and Path(cfg.pause_file).exists()
-        if paused:
-            log.info("paused by %s: %d records waiting", cfg.pause_file, lag.total)
-        elif lag.total:
-            log.info("%s", ingest(settings, ingest_cfg, kafka))
-        ticks += 1
-        if cfg.max_ticks is not None and ticks >= cfg.max_ticks:
-            break
-        stop.wait(cfg.interval_s)
-    return alerts
+        try:
+            with lease.held():
+                compactor = Compactor(settings, cfg, lease, stop)
+                compactor.start()
+                try:
+                    return Stream(settings, cfg, ingest_cfg, kafka, lease, stop).run()
+                finally:
+                    compactor.close()
+        except LeaseHeld as exc:
+            if not waiting:
+                log.warning("watch of %s waits: %s", settings.topic, exc)
+                waiting = True
+            stop.wait(1.0)
+        except Restart as exc:
+            log.warning("watch of %s starts over from the ledger: %s", settings.topic, exc)
+            stop.wait(1.0)  # not in a tight loop should it keep losing what it takes
+    return 0

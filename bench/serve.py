@@ -1,7 +1,9 @@
-"""Serving benchmarks (issue #6): batching on vs off, and Ray Serve vs a plain FastAPI process.
+"""Serving benchmarks (issue #6): batching on vs off, and Ray Serve vs a plain FastAPI process;
+with `--ingress`, Serve's ingress modes against each other (issue #19).
 
     .venv/bin/python bench/serve.py                       # cnn, resnet18, resnet50 at 64 px, ~10 minutes
     .venv/bin/python bench/serve.py --requests 2000 --concurrency 64 --models resnet18
+    .venv/bin/python bench/serve.py --ingress --models cnn   # proxy (Argus's default) vs HAProxy
 
 An untrained model per architecture is registered under a fresh MLflow SQLite store in a temp dir
 (weights do not change the cost of a forward pass). For each model, three endpoints on 127.0.0.1
@@ -148,6 +150,99 @@ def _wait_ok(url: str, timeout_s: float, process: subprocess.Popen | None = None
     raise TimeoutError(f"{url} did not answer 200 within {timeout_s}s")
 
 
+# ---------------------------------------------------------------- the ingress modes
+
+# Serve reads its ingress mode from the environment of the processes it starts, so each mode gets a
+# Ray of its own (a child process). "proxy" is Argus's default (app.cluster.SERVE_ENV: the HTTP proxy
+# reaching replicas over gRPC); "haproxy" puts Serve's HAProxy in front of per-replica HTTP ports
+# (direct ingress). HAProxy asks for 2.5 file descriptors per connection of `maxconn` (default
+# 20,000), more than a 20,000-descriptor ulimit allows: 4,096 here.
+INGRESS_ENV = {
+    "proxy": {},
+    "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_MAXCONN": "4096"},
+}
+
+
+def ingress_server(ingress: str, tracking_uri: str, model: str, args) -> None:
+    """`bench/serve.py --ingress-server MODE`: a local Ray with MODE's Serve environment, `model`
+    deployed with batching on; prints its URL and serves until stdin closes."""
+    os.environ.update(INGRESS_ENV[ingress])
+    with common.local_ray(num_cpus=2):
+        from ray import serve
+
+        from app.broker import free_port
+        from app.serve import build_app
+
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        options = {"mlflow_uri": tracking_uri, "model_name": f"bench-{model}", "poll_s": 3600}
+        options |= {"max_batch_size": args.batch_size, "batch_wait_timeout_s": args.batch_wait_s}
+        serve.run(
+            build_app(options | {"threads": args.threads}), name="bench", route_prefix="/", blocking=False
+        )
+        url = f"http://127.0.0.1:{port}"
+        _wait_ok(f"{url}/healthz", 180)
+        print(f"URL {url}", flush=True)
+        sys.stdin.read()
+        serve.shutdown()
+
+
+def compare_ingress(args, models: list[str], bodies: list[bytes]) -> tuple[list, list]:
+    rows, goals = [], []
+    with common.scratch_dir("argus-bench-ingress-") as tmp:
+        tracking_uri = f"sqlite:///{tmp / 'mlflow.db'}"
+        for model in models:
+            register_untrained(tracking_uri, (tmp / "mlartifacts").as_uri(), model, args.image_size)
+            servers, urls = {}, {}
+            try:
+                for ingress in INGRESS_ENV:
+                    servers[ingress] = subprocess.Popen(
+                        [sys.executable, __file__, "--ingress-server", ingress, "--mlflow-uri", tracking_uri]
+                        + ["--models", model, "--threads", str(args.threads)]
+                        + ["--batch-size", str(args.batch_size), "--batch-wait-s", str(args.batch_wait_s)],
+                        cwd=ROOT,
+                        env={**os.environ, "PYTHONPATH": str(ROOT)},
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        text=True,
+                        start_new_session=True,
+                    )
+                    line = next(line for line in servers[ingress].stdout if line.startswith("URL "))
+                    urls[ingress] = line.split()[1] + "/predict"
+                print(f"\n== {model}: {', '.join(f'{k} on {v}' for k, v in urls.items())}")
+                results = alternate(
+                    {
+                        ingress: (
+                            lambda url=url: load_run(
+                                url, bodies, args.concurrency, args.requests, args.warmup
+                            )
+                        )
+                        for ingress, url in urls.items()
+                    },
+                    args.repeats,
+                    model,
+                )
+            finally:
+                for server in servers.values():
+                    server.stdin.close()  # the child shuts Serve and Ray down
+                    try:
+                        server.wait(90)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(server.pid, 9)
+            for name, r in results.items():
+                rows.append(
+                    [f"{model} · {name}"]
+                    + [median_of(r, key) for key in ("requests_per_s", "p50_ms", "p99_ms")]
+                )
+            rps = {name: median_of(r, "requests_per_s") for name, r in results.items()}
+            goals.append(
+                goal_line(
+                    f"HAProxy vs proxy ingress throughput ({model})", rps["haproxy"] / rps["proxy"], 1.0
+                )
+            )
+    return rows, goals
+
+
 # ---------------------------------------------------------------- the load generator
 
 
@@ -238,18 +333,29 @@ def main() -> int:
         "--threads", type=int, default=1, help="torch threads per replica and in the plain server"
     )
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--ingress", action="store_true", help="compare Serve's ingress modes (proxy vs HAProxy) only"
+    )
     parser.add_argument("--plain-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--ingress-server", choices=INGRESS_ENV, help=argparse.SUPPRESS)
     parser.add_argument("--mlflow-uri", help=argparse.SUPPRESS)
     args = parser.parse_args()
     models = args.models.split(",")
     if args.plain_server:
         plain_server(args.plain_server, args.mlflow_uri, models, args.threads)
         return 0
+    if args.ingress_server:
+        ingress_server(args.ingress_server, args.mlflow_uri, models[0], args)
+        return 0
 
     print(f"bench/serve.py · {common.machine_line()}")
     from app import synth
 
     bodies = [r.value for r in synth.generate(64, seed=9, size=args.image_size)]
+    if args.ingress:
+        rows, goals = compare_ingress(args, models, bodies)
+        print_results(args, "ingress", rows, goals)
+        return 0
     rows, goals, ceiling = [], [], []
     for model in models:
         rates = alternate(
@@ -349,15 +455,19 @@ def main() -> int:
         ["model", "batch 1 img/s", f"batch {args.batch_size} img/s", "gain"],
         ceiling,
     )
+    print_results(args, "endpoint", rows, goals)
+    return 0
+
+
+def print_results(args, kind: str, rows: list, goals: list[str]) -> None:
     print_table(
         f"{args.concurrency} concurrent clients, {args.requests} requests per run (median of {args.repeats})",
-        ["endpoint", "requests/s", "p50 ms", "p99 ms"],
+        [kind, "requests/s", "p50 ms", "p99 ms"],
         rows,
     )
     print()
     for line in goals:
         print(line)
-    return 0
 
 
 if __name__ == "__main__":

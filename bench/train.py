@@ -18,6 +18,11 @@
    validation pass, checksums and the checkpoint) and the default `--augment light` rate as info.
 3. bf16 autocast vs fp32 on this CPU: `train_epoch` in this process, same model, batch and
    threads, alternating; the issue says bf16 is ~40× slower here.
+4. `--nodes 2` (instead of 1-3): the Ray TorchTrainer run of 1. with 1-CPU workers on two Ray
+   nodes of 1 CPU each (`ray start --head` + `ray start --address` on this host, one worker per
+   node) against one node of 2 CPUs holding both, alternating, fresh clusters each run: the ratio
+   is what crossing nodes costs the training step (the gradient all-reduce between raylets'
+   workers). Goal ≥ 0.9×.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from _common import alternate, goal_line, median_of, print_table
 
 GOAL = 0.95
 FULL_PATH_GOAL = 0.9
+NODES_GOAL = 0.9
 NUM_CLASSES = 6
 
 
@@ -255,6 +261,67 @@ def _bf16_flags() -> str:
     )
 
 
+# ---------------------------------------------------------------- two nodes against one
+
+
+def cluster_run(cfg: dict, node_cpus: list[int], tmp: Path) -> dict:
+    """`ray_run` on a fresh local cluster whose nodes have `node_cpus` CPUs (the first is the head)."""
+    import ray
+
+    sys.path.insert(0, str(common.ROOT / "tests"))
+    from ray_nodes import LocalRayCluster
+
+    log_dir = Path(tempfile.mkdtemp(prefix="nodes-", dir=tmp))
+    cluster = LocalRayCluster(log_dir)
+    try:
+        cluster.start_head(num_cpus=node_cpus[0])
+        for i, cpus in enumerate(node_cpus[1:], start=1):
+            cluster.add_node(f"worker{i}", num_cpus=cpus)
+        ray.init(address=cluster.address, configure_logging=False, log_to_driver=False)
+        try:
+            return ray_run(cfg, str(tmp / "ray"))
+        finally:
+            ray.shutdown()
+    finally:
+        cluster.shutdown()
+
+
+def node_comparison(args, base: dict) -> int:
+    rows, goals = [], []
+    with common.scratch_dir("argus-bench-nodes-") as tmp:
+        for model in args.models.split(","):
+            cfg = {**base, "model": model, "cpus_per_worker": 1.0}
+            print(
+                f"\n== two nodes vs one: {model}, {args.image_size} px, batch {args.batch_size}/worker, "
+                f"2 workers × 1 CPU × {args.threads} thread(s), {args.steps} timed steps"
+            )
+            results = alternate(
+                {
+                    "2 nodes × 1 CPU (one worker each)": lambda: cluster_run(cfg, [1, 1], tmp),
+                    "1 node × 2 CPUs (both workers)": lambda: cluster_run(cfg, [2], tmp),
+                },
+                args.repeats,
+                model,
+            )
+            rates = {name: median_of(r, "images_per_s") for name, r in results.items()}
+            for name, r in results.items():
+                rows.append([f"{model} · {name}", rates[name], median_of(r, "wall_s")])
+            two, one = rates.values()
+            goals.append(
+                goal_line(f"Ray Train step throughput ({model}), 2 nodes vs 1", two / one, NODES_GOAL)
+            )
+    print("\n== summary")
+    print_table(
+        f"Ray TorchTrainer step throughput, images/s over both workers (median of {args.repeats})",
+        ["run", "images/s", "wall s (incl. cluster and trainer start)"],
+        rows,
+    )
+    print()
+    for line in goals:
+        print(line)
+    return 0
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -276,6 +343,7 @@ def main() -> int:
     parser.add_argument("--full-path-model", default="cnn")
     parser.add_argument("--full-path-records", type=int, default=3000)
     parser.add_argument("--full-path-epochs", type=int, default=2)
+    parser.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="2: two Ray nodes vs one")
     args = parser.parse_args()
     print(f"bench/train.py · {common.machine_line()}")
     tables, goals = [], []
@@ -287,6 +355,8 @@ def main() -> int:
         "threads": args.threads,
         "cpus_per_worker": args.cpus_per_worker,
     }
+    if args.nodes == 2:
+        return node_comparison(args, base)
 
     with common.scratch_dir("argus-bench-train-") as tmp, common.local_ray(num_cpus=2):
         rows = []

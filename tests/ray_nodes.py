@@ -1,7 +1,8 @@
 """Real multi-node Ray clusters on one host for tests: `ray start --head` and `ray start --address`,
 each `--block` in its own process group with its own `--num-cpus` and a custom resource named after
 the node, so work can be placed on a chosen node. A node is killed as a machine would die: SIGKILL
-to its process group (raylet, object store, workers)."""
+to its process group (raylet, object store, workers). With a `token`, every node runs Ray's token
+authentication (`RAY_AUTH_MODE=token`) and this harness's own calls carry the token."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class LocalRayCluster:
     `dashboard` the URL `ray job submit` and the state API take."""
 
     log_dir: Path
+    token: str = ""  # Ray's token authentication on every node when set
     address: str = ""
     dashboard: str = ""
     metrics_port: int = 0
@@ -55,7 +57,22 @@ class LocalRayCluster:
             PYTHONPATH=str(ROOT),
             RAY_USAGE_STATS_ENABLED="0",
             **SERVE_ENV,
+            **self.auth_env(),
         )
+
+    def auth_env(self) -> dict[str, str]:
+        """What a process needs to talk to this cluster: Ray reads the token from a file, so it
+        never shows in a command line."""
+        if not self.token:
+            return {}
+        token_file = self.log_dir / "ray-auth-token"
+        token_file.write_text(self.token)
+        token_file.chmod(0o600)
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
+
+    def headers(self) -> dict[str, str]:
+        """This process's HTTP calls to the dashboard (its Ray may run without authentication)."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     def start_head(self, num_cpus: float, *options: str, name: str = "head") -> Node:
         """The head node; `options` go to its `ray start` (e.g. `--object-store-memory=...`)."""
@@ -125,10 +142,14 @@ class LocalRayCluster:
         self.wait_for_nodes(alive - 1)  # the GCS's health checks have noticed
 
     def alive_node_ids(self) -> list[str]:
-        from ray.util.state import list_nodes
+        from ray.util.state import StateApiClient
+        from ray.util.state.common import ListApiOptions, StateResource
 
         try:
-            nodes = list_nodes(address=self.dashboard, timeout=10)
+            client = StateApiClient(self.dashboard, headers=self.headers() or None)
+            nodes = client.list(
+                StateResource.NODES, options=ListApiOptions(timeout=10), raise_on_missing_output=False
+            )
         except Exception:  # the dashboard still starting, or busy
             return []
         return [n.node_id for n in nodes if n.state == "ALIVE"]
@@ -140,7 +161,7 @@ class LocalRayCluster:
         from ray.job_submission import JobSubmissionClient
 
         try:
-            JobSubmissionClient(self.dashboard).list_jobs()
+            JobSubmissionClient(self.dashboard, headers=self.headers()).list_jobs()
             return True
         except Exception:
             return False
@@ -156,13 +177,14 @@ class LocalRayCluster:
     def shutdown(self) -> None:
         """Workers first, then the head; SIGTERM, then SIGKILL what is left of each group."""
         for node in sorted(self.nodes.values(), key=lambda n: n.name == "head"):
-            if not node.alive:
-                continue
-            os.killpg(node.process.pid, signal.SIGTERM)
-            try:
-                node.process.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
+            if node.alive:
+                os.killpg(node.process.pid, signal.SIGTERM)
+                try:
+                    node.process.wait(60)
+                except subprocess.TimeoutExpired:
+                    pass
+            # Also where `ray start` itself is gone (a start that timed out): its raylet and agents
+            # may live on in its group.
             try:
                 os.killpg(node.process.pid, signal.SIGKILL)  # stragglers of the group
             except ProcessLookupError:
@@ -172,8 +194,9 @@ class LocalRayCluster:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def submit(dashboard: str, *command: str) -> str:
-    """`ray job submit --working-dir . --no-wait -- python -m app ...`, as the README shows; the job id."""
+def submit(dashboard: str, *command: str, env: dict[str, str] | None = None) -> str:
+    """`ray job submit --working-dir . --no-wait -- python -m app ...`, as the README shows; the job id.
+    `env`: the submitting process's environment (e.g. a cluster's `auth_env()`) over this one's."""
     result = subprocess.run(
         [str(VENV_BIN / "ray"), "job", "submit", "--address", dashboard, "--working-dir", ".", "--no-wait"]
         + ["--", "python", "-m", "app", *command],
@@ -181,6 +204,7 @@ def submit(dashboard: str, *command: str) -> str:
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, **(env or {})},
     )
     assert result.returncode == 0, result.stderr
     return next(
@@ -190,11 +214,13 @@ def submit(dashboard: str, *command: str) -> str:
     )
 
 
-def wait_for_job(dashboard: str, job_id: str, timeout_s: float = 600) -> str:
+def wait_for_job(
+    dashboard: str, job_id: str, timeout_s: float = 600, headers: dict[str, str] | None = None
+) -> str:
     """Wait for the job to end; assert it succeeded; its logs."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    client = JobSubmissionClient(dashboard)
+    client = JobSubmissionClient(dashboard, headers=headers)
     deadline = time.monotonic() + timeout_s
     while (status := client.get_job_status(job_id)) not in {
         JobStatus.SUCCEEDED,

@@ -38,7 +38,7 @@ from app.fl.server_app import (
     build_server_app,
     build_strategy,
 )
-from app.fl.task import labelled_rows, model_arrays
+from app.fl.task import labelled_rows, model_arrays, partition_sizes
 from app.selection import EventTimeSplit, promote_if_better
 from app.snapshot import Manifest, discover_classes, read_rows, select_snapshots, snapshot_uri
 
@@ -132,10 +132,12 @@ def federate(
         "dp_clip": cfg.dp_clip,
         "val_fraction": cfg.val_fraction,
     }
+    if cfg.client_sampling != "fixed":  # runs checkpointed before the flag existed still resume
+        fingerprint["client_sampling"] = cfg.client_sampling
     checkpoint = load_checkpoint(checkpoint_uri)
     if checkpoint is None:
         model, init_version = _initial_model(settings, cfg, classes)
-        start_round, history, noise_multipliers = 0, [], []
+        start_round, history, releases = 0, [], []
     else:
         state, meta = checkpoint
         if meta["fingerprint"] != fingerprint:
@@ -146,7 +148,9 @@ def federate(
             )
         model = core.build_model(settings.model, len(classes))
         model.load_state_dict(state)
-        start_round, history, noise_multipliers = meta["round"], meta["history"], meta["noise_multipliers"]
+        start_round, history = meta["round"], meta["history"]
+        # (z, q) per release; older checkpoints kept z alone, of unamplified releases
+        releases = meta.get("privacy_releases", [[z, 1.0] for z in meta.get("noise_multipliers", [])])
         init_version = meta.get("init_version")
         log.info("resuming federated run %s after round %d", run_name, start_round)
     accounted = cfg.dp and cfg.dp_noise > 0 and cfg.strategy in MEAN_STRATEGIES
@@ -169,8 +173,18 @@ def federate(
         init_version=init_version,
         start_round=start_round,
         history=history,
-        accountant=GaussianAccountant(cfg.dp_delta, noise_multipliers) if accounted else None,
+        accountant=(
+            GaussianAccountant(cfg.dp_delta, releases, poisson=cfg.client_sampling == "poisson")
+            if accounted
+            else None
+        ),
     )
+    # Node i + 1 runs client i (RayGrid numbers its nodes so): the server's own count of each
+    # client's rows weighs its update, whatever the client claims.
+    sizes = partition_sizes(
+        tuple(uris), cfg.clients, cfg.seed, tuple(classes), split.val_from, split.test_from
+    )
+    examples = {partition + 1: size for partition, size in enumerate(sizes)}
 
     if fed.start_round < cfg.rounds:
         with ray_session(settings), _quiet_flower():
@@ -182,7 +196,7 @@ def federate(
                 num_gpus=cfg.num_gpus_per_client,
             )
             try:
-                build_server_app(fed, build_strategy(cfg), evaluate_fn=central)(
+                build_server_app(fed, build_strategy(cfg, examples), evaluate_fn=central)(
                     grid=grid,
                     context=Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),
                 )

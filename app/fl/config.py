@@ -15,6 +15,7 @@ from app.transform import AUGMENTATIONS
 STRATEGIES = ("fedavg", "fedprox", "fedmedian", "fedtrimmedavg", "krum")
 MEAN_STRATEGIES = ("fedavg", "fedprox")
 FAULTS = ("nan", "scale", "crash", "slow")
+CLIENT_SAMPLING = ("fixed", "poisson")
 
 
 @dataclass(kw_only=True)
@@ -24,7 +25,12 @@ class FederateConfig:
     clients: int = 10
     """Simulated clients; the snapshots' users are dealt into this many groups."""
     clients_per_round: int = 5
-    """Clients sampled for training each round."""
+    """Clients sampled for training each round (the expected number under Poisson sampling)."""
+    client_sampling: str = "fixed"
+    """fixed: exactly `clients_per_round` clients, drawn without replacement; poisson: each client
+    joins independently with probability clients_per_round / clients (the accountant then counts
+    the subsampling's amplification). Both are seeded by `seed` and the round, so a resumed run
+    samples what an unbroken one would."""
     local_epochs: int = 1
     batch_size: int = 32
     lr: float = 0.05
@@ -38,7 +44,8 @@ class FederateConfig:
     krum_malicious: int = 0
     """Krum: number of malicious clients assumed."""
     dp_noise: float = 0.0
-    """Gaussian noise multiplier z on the aggregate (needs --dp-clip); 0 clips without noise."""
+    """Gaussian noise multiplier z: N(0, (z·clip/clients_per_round)²) on the mean of the clipped
+    updates (needs --dp-clip), drawn from fresh OS entropy each round; 0 clips without noise."""
     dp_clip: float | None = None
     """Clip each client's update to this L2 norm; None turns differential privacy off."""
     dp_delta: float = 1e-5
@@ -87,6 +94,10 @@ class FederateConfig:
         require(
             1 <= self.clients_per_round <= self.clients,
             f"--clients-per-round must be in 1..{self.clients}, got {self.clients_per_round}",
+        )
+        require(
+            self.client_sampling in CLIENT_SAMPLING,
+            f"--client-sampling must be fixed or poisson, got {self.client_sampling!r}",
         )
         if self.min_clients is None:
             self.min_clients = max(1, math.ceil(self.clients_per_round / 2))

@@ -18,6 +18,8 @@ import torch
 from flwr.app import Context, Error, Message, RecordDict, UserConfig
 from flwr.clientapp import ClientApp
 from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY, ErrorCode
+from flwr.common.serde import message_from_proto, message_to_proto
+from flwr.proto.message_pb2 import Message as ProtoMessage
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
@@ -55,8 +57,10 @@ class _ClientActor:
             app_ref = getattr(importlib.import_module(module), attribute)
         self.app = app_ref
 
-    def handle(self, metadata, content: RecordDict, context: Context) -> Message:
-        return self.app(Message(content=content, metadata=metadata), context)
+    def handle(self, metadata, content: RecordDict, context: Context) -> bytes:
+        """The reply in Flower's wire format (protobuf), as a SuperNode sends it to a SuperLink."""
+        reply = self.app(Message(content=content, metadata=metadata), context)
+        return message_to_proto(reply).SerializeToString()
 
 
 ClientActor = ray.remote(max_restarts=0)(_ClientActor)
@@ -64,6 +68,17 @@ ClientActor = ray.remote(max_restarts=0)(_ClientActor)
 
 def _error_reply(message: Message, code: int, reason: str) -> Message:
     return Message(Error(code=code, reason=reason), reply_to=message)
+
+
+def _parse_reply(data: bytes, message: Message) -> Message:
+    """A client's reply as the server may see it: records parsed from protobuf (never Python
+    objects), and the routing metadata of the instruction it answers, as a SuperLink sets it, so a
+    client cannot answer in another's name."""
+    try:
+        parsed = message_from_proto(ProtoMessage.FromString(data))
+    except Exception as exc:  # protobuf's DecodeError, or records Flower cannot rebuild
+        return _error_reply(message, ErrorCode.CLIENT_APP_CRASHED, f"unreadable reply: {type(exc).__name__}")
+    return Message(parsed.error if parsed.has_error() else parsed.content, reply_to=message)
 
 
 def reply_schema(message: Message) -> str:
@@ -110,6 +125,9 @@ class RayGrid(Grid):
     Messages wait for the next idle actor (the pool never grows with the number of clients). A
     `send_and_receive` deadline drops what has not answered and kills and replaces the actors still
     busy with it; an actor that dies is replaced too, so one bad client never poisons the pool.
+    A replacement is made only where the cluster still has room: the actors of a lost node would
+    otherwise wait for its CPUs, and every later round for them. Each round first regrows the pool
+    to `num_actors` as room allows.
     `last` holds what the latest call moved (`RoundTraffic`); `wire` counts the schema of every reply.
     """
 
@@ -124,7 +142,8 @@ class RayGrid(Grid):
         run_id: int = 0,
     ):
         self._partition = {node_id: node_id - 1 for node_id in range(1, num_nodes + 1)}
-        self._options = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+        # SPREAD: clients are many devices; a node's loss then takes only its share of the pool.
+        self._options = {"num_cpus": num_cpus, "num_gpus": num_gpus, "scheduling_strategy": "SPREAD"}
         self._app_ref, self._threads = app_ref, max(1, int(num_cpus))
         self.num_actors = num_actors
         self._idle = [self._spawn() for _ in range(num_actors)]
@@ -137,6 +156,31 @@ class RayGrid(Grid):
 
     def _spawn(self):
         return ClientActor.options(**self._options).remote(self._app_ref, self._threads)
+
+    def _room(self) -> int:
+        """How many more actors the cluster's free resources fit now."""
+        free = ray.available_resources()
+        need = {"CPU": self._options["num_cpus"], "GPU": self._options["num_gpus"]}
+        return min(int(free.get(r, 0.0) / amount + 1e-9) for r, amount in need.items() if amount)
+
+    def _size(self) -> int:
+        return len(self._idle) + len(self._running)
+
+    def _replace(self) -> None:
+        """An actor in place of one that is gone, if there is room for it now; else the pool shrinks
+        (never below one actor) until a later round regrows it."""
+        if self._size() == 0 or self._room() > 0:
+            self._idle.append(self._spawn())
+            log.info("client actor replaced")
+        else:
+            log.warning("no room for a replacement client actor: the pool shrinks to %d", self._size())
+
+    def _regrow(self) -> None:
+        missing = min(self.num_actors - self._size(), self._room())
+        for _ in range(max(0, missing)):
+            self._idle.append(self._spawn())
+        if missing > 0:
+            log.info("client actor pool regrown to %d", self._size())
 
     # Grid API
     def set_run(self, run) -> None:
@@ -183,6 +227,7 @@ class RayGrid(Grid):
     ) -> Iterable[Message]:
         started = time.monotonic()
         self.last = RoundTraffic()
+        self._regrow()
         ids = list(self.push_messages(messages))
         self.last.sent = len(ids)
         waiting = set(ids)
@@ -225,18 +270,15 @@ class RayGrid(Grid):
             actor, message = self._running.pop(ref)
             client = self._partition[message.metadata.dst_node_id]
             try:
-                reply = ray.get(ref)
+                reply = _parse_reply(ray.get(ref), message)
                 self._idle.append(actor)
             except ray.exceptions.RayActorError as exc:
-                log.warning(
-                    "client %d: its actor died mid-round (%s); dropped, actor replaced",
-                    client,
-                    type(exc).__name__,
-                )
+                log.warning("client %d: its actor died mid-round (%s); dropped", client, type(exc).__name__)
                 reply = _error_reply(
                     message, ErrorCode.CLIENT_APP_CRASHED, f"client actor died: {type(exc).__name__}"
                 )
-                self._idle.append(self._spawn())
+                ray.kill(actor, no_restart=True)  # an unreachable one may yet come back: it is gone
+                self._replace()
             except ray.exceptions.RayTaskError as exc:
                 log.warning("client %d raised: %s", client, exc.cause)
                 reply = _error_reply(message, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, repr(exc.cause))
@@ -260,7 +302,7 @@ class RayGrid(Grid):
             if message.metadata.message_id in message_ids:
                 del self._running[ref]
                 ray.kill(actor, no_restart=True)
-                self._idle.append(self._spawn())
+                self._replace()
         for message_id in message_ids:
             self._done.pop(message_id, None)
         self.last.timed_out += len(message_ids)

@@ -91,6 +91,32 @@ def load_client_data(
     return ClientData(images[:cut], labels[:cut], images[cut:], labels[cut:])
 
 
+def partition_sizes(
+    snapshot_uris: tuple[str, ...],
+    num_partitions: int,
+    seed: int,
+    classes: tuple[str, ...],
+    val_from: int,
+    test_from: int,
+) -> list[tuple[int, int]]:
+    """(training, validation) rows of each client, as `load_client_data` cuts them, read on the
+    server without pixels: the aggregation weights come from these, not from what a client claims."""
+    users = _user_partitions(snapshot_uris, num_partitions, seed)
+    owner = {user: partition for partition, group in enumerate(users) for user in group}
+    table = read_rows(
+        snapshot_uris,
+        ["key", "event_time"],
+        pc.field("label").isin(list(classes)) & (pc.field("event_time") < test_from),
+    )
+    train, val = [0] * num_partitions, [0] * num_partitions
+    for key, event_time in zip(
+        table.column("key").to_pylist(), table.column("event_time").to_pylist(), strict=True
+    ):
+        if key in owner:
+            (train if event_time < val_from else val)[owner[key]] += 1
+    return list(zip(train, val, strict=True))
+
+
 class ProximalLoss(nn.Module):
     """FedProx's client objective: the task loss plus mu/2·||w − w_global||² over trainable weights."""
 

@@ -123,3 +123,23 @@ def test_demo_serves_predictions_rolls_out_and_shows_the_dashboard(tmp_path):
     )  # train, then federate
     with pytest.raises(requests.ConnectionError):  # everything it started, it stopped
         requests.get(f"{dashboard}/api/version", timeout=5)
+
+    # What a person reads: Argus's stage lines with their progress, a few screens in all; Ray's own
+    # output (progress bars, workers' report dicts, Serve's banners) in the files it names once.
+    console = output + (tmp_path / "demo.stderr").read_text()
+    assert len(console.splitlines()) <= 120, console  # text mode splits a bar's "\r" redraws too
+    assert "\x1b[" not in console, console  # no progress bars off a terminal
+    assert "TrainingReport(" not in console and "Reporting training result" not in console, console
+    stages = ("ingesting with Ray Data", "training with Ray Train", "serving with Ray Serve", "federated")
+    for stage in stages:
+        assert f"== {stage}" in console, stage
+    assert re.search(r"^snapshot snap-\S+: \d+ records", console, re.M), console
+    assert re.search(r"INFO app\.train: epoch 1/1: train loss [\d.]+, validation accuracy", console), console
+    assert re.search(r"INFO app\.fl\.server_app: round 2/2: validation accuracy", console), console
+    logs = re.findall(r"Ray's logs: (\S+) \(-v shows them here\)", console)
+    assert len(logs) == 1, console
+    folder = Path(logs[0])
+    driver_log = "".join(path.read_text() for path in folder.glob("driver-*.log"))
+    assert "ray.data" in driver_log and "ray.serve" in driver_log  # the driver's Ray loggers
+    workers = "".join(path.read_text(errors="replace") for path in (folder / "ray").glob("worker-*"))
+    assert "Reporting training result" in workers  # every worker's output, in Ray's session logs

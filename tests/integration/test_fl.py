@@ -125,9 +125,14 @@ def test_nan_update_and_killed_client_leave_the_round_to_the_rest_with_dp(traine
     assert counts == (4, 1, 1, 2)
     assert row["abandoned"] == 0
     assert report.init_version == registry.resolve(settings.tracking_uri, settings.model_name, "champion")
+    assert row["rejected_non_finite"] == 1
+    # The mean divided by the 4 sampled, not the 2 aggregated: the release's multiplier stays 0.5.
     accountant = GaussianAccountant(1e-5)
-    accountant.compose(GaussianPrivacyEvent(noise_multiplier=0.5 * 2 / 4, sample_size=2, population_size=4))
+    accountant.compose(GaussianPrivacyEvent(noise_multiplier=0.5, sample_size=4, population_size=4))
     assert report.epsilon == pytest.approx(accountant.get_privacy_spent().epsilon)
+    # Under DP the clients' own losses and accuracies stay with them: no client evaluation either.
+    assert not {"train_loss", "train_accuracy", "val_loss", "val_accuracy"} & row.keys()
+    assert not _schemas(report, "evaluate")
     model = registry.load(settings.tracking_uri, settings.model_name, report.version).model
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
     assert (

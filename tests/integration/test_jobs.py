@@ -1,5 +1,6 @@
-"""`ray job submit` against a real head node on 127.0.0.1: ingest and train run as jobs, and the
-drift command's retraining job runs ingest → train → promote-if-better."""
+"""`ray job submit` against a real head node on 127.0.0.1: every stage runs as a job (ingest, train,
+federate, watch, serve --detach, drift, promote), and the drift command's retraining job runs
+ingest → train → promote-if-better."""
 
 from __future__ import annotations
 
@@ -10,21 +11,26 @@ import uuid
 import pytest
 
 from app import registry
+from app.broker import free_port
 from app.config import ProduceConfig, Settings
 from app.produce import produce
+from app.rollout import wait_for_rollout
 from app.snapshot import list_manifests
 
 from conftest import TEST_IMAGE_SIZE
 from ray_nodes import LocalRayCluster, submit, wait_for_job
+from served import sequential
 
 
 @pytest.fixture(scope="module")
 def head_node(tmp_path_factory):
     """A head node of its own (2 CPUs, like CI's machine); its dashboard URL."""
     cluster = LocalRayCluster(tmp_path_factory.mktemp("head"))
-    cluster.start_head(num_cpus=2)
-    yield cluster.dashboard
-    cluster.shutdown()
+    try:
+        cluster.start_head(num_cpus=2)
+        yield cluster.dashboard
+    finally:
+        cluster.shutdown()
 
 
 @pytest.mark.slow
@@ -95,6 +101,31 @@ def test_ingest_and_train_as_jobs_then_a_retraining_job(head_node, broker, tmp_p
     assert "registered v3" in logs and "after 1 rounds" in logs, logs[-3000:]
     loaded = registry.load(settings.tracking_uri, settings.model_name, "3")
     assert loaded.card.training_kind == "federated"
+
+    # The long-lived watch as a job: it ingests what arrived since and stops after one micro-batch.
+    produce(
+        settings,
+        ProduceConfig(synthetic=60, seed=9, source_image_size=TEST_IMAGE_SIZE),
+        settings.kafka_connection(),
+    )
+    logs = wait_for_job(head_node, submit(head_node, "watch", *common, "--max-ticks", "1"))
+    assert "watch stopped after" in logs, logs[-3000:]
+    assert 240 < sum(m.records + m.dlq for m in list_manifests(settings)) <= 300
+
+    # serve --detach as a job: the deployment outlives it; drift and promote as jobs against it.
+    champion = registry.resolve(settings.tracking_uri, settings.model_name, "champion")
+    port = free_port()
+    wait_for_job(head_node, submit(head_node, "serve", "--detach", "--http-port", str(port), *common))
+    url = f"http://127.0.0.1:{port}"
+    wait_for_rollout(url, champion, timeout_s=240)
+    sequential(url, 40)
+    logs = wait_for_job(head_node, submit(head_node, "drift", "--min-requests", "30", *common))
+    assert f"v{champion} vs 40 recent requests" in logs, logs[-3000:]
+    target = "3" if champion != "3" else "1"
+    logs = wait_for_job(head_node, submit(head_node, "promote", target, *common))
+    assert f"every replica (1) at {url} serves v{target}" in logs, logs[-3000:]
+    assert {version for version, _ in sequential(url, 20)} == {target}
+
     from ray.job_submission import JobSubmissionClient
 
-    assert len(JobSubmissionClient(head_node).list_jobs()) == 4  # the head node still serves
+    assert len(JobSubmissionClient(head_node).list_jobs()) == 8  # the head node still serves

@@ -8,13 +8,17 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 
+from app.broker import free_port
 from app.config import ProduceConfig, Settings
 from app.produce import produce
+from app.rollout import wait_for_rollout
 from app.snapshot import data_file_uris, list_manifests
 
-from conftest import TEST_IMAGE_SIZE, settings_args
+from conftest import TEST_IMAGE_SIZE, run_cli, settings_args
 from ray_nodes import LocalRayCluster, submit, wait_for_job
+from served import CLIENTS, Traffic, register_untrained, sequential
 
 
 @pytest.fixture
@@ -72,6 +76,22 @@ def _history(settings: Settings, version: str) -> list[dict]:
     return json.loads(Path(client.download_artifacts(run_id, "history.json")).read_text())
 
 
+def _live_replicas(url: str) -> list[dict]:
+    """The replicas /rollout reports; none while it answers 503 (the coordinator died with the
+    replica that made it, on the lost node, and the next replica's report recreates it)."""
+    answer = requests.get(f"{url}/rollout", timeout=10)
+    return answer.json()["replicas"] if answer.status_code == 200 else []
+
+
+def _client_actor_nodes(cluster) -> set[str]:
+    from ray.util.state import list_actors
+
+    actors = list_actors(
+        address=cluster.dashboard, filters=[("class_name", "=", "_ClientActor"), ("state", "=", "ALIVE")]
+    )
+    return {actor.node_id for actor in actors}
+
+
 def test_harness_starts_two_nodes_and_a_killed_node_leaves_the_cluster(cluster):
     cluster.start_head(num_cpus=1)
     cluster.add_node("worker", num_cpus=1)
@@ -118,11 +138,13 @@ def test_training_loses_a_node_mid_epoch_and_resumes_on_what_is_left(
     history = _history(settings, "1")
     assert [row["epoch"] for row in history] == list(range(epochs))
     before = [row for row in history if row["finished_at"] < killed_at]
-    after = [row for row in history if row["finished_at"] > killed_at]
-    # Not a restart from scratch: what finished before the loss is kept, not retrained.
-    assert before and len(before) + len(after) == epochs
-    assert all(row["workers"] == 2 for row in before)
-    assert all(row["workers"] == workers_after for row in after)
+    assert before and len(before) < epochs  # the kill came mid-run
+    # Not a restart from scratch: what finished before the loss is kept, not retrained, then the
+    # group left trains the rest. An epoch finishing just after the kill may still be the whole
+    # group's (seen: its last all-reduce was done when the node died), so the switch may come later.
+    workers = [row["workers"] for row in history]
+    switch = next((i for i, w in enumerate(workers) if w != 2), epochs)
+    assert len(before) <= switch and workers == [2] * switch + [workers_after] * (epochs - switch), workers
 
 
 @pytest.mark.slow
@@ -132,7 +154,9 @@ def test_an_elastic_run_grows_when_a_node_joins(cluster, snapshot_settings):
     the first checkpoint, and the group grows onto it (restarting from its last checkpoint)."""
     settings = snapshot_settings
     cluster.start_head(num_cpus=1)
-    epochs = 12
+    # Enough one-worker epochs (~3 s each here) to outlast the join, the 2 s resize check and the
+    # restart: here the group grew after 7, but in CI once all 12 of an earlier budget went by first.
+    epochs = 20
     job, _ = _submit_training(
         cluster,
         settings,
@@ -148,7 +172,8 @@ def test_an_elastic_run_grows_when_a_node_joins(cluster, snapshot_settings):
     history = _history(settings, "1")
     assert [row["epoch"] for row in history] == list(range(epochs))
     workers = [row["workers"] for row in history]
-    assert workers[0] == 1 and workers[-1] == 2, workers
+    joined_after = sum(row["finished_at"] < joined_at for row in history)
+    assert workers[0] == 1 and workers[-1] == 2, f"{workers}; the node joined after {joined_after} epoch(s)"
     grown = workers.index(2)
     assert workers == [1] * grown + [2] * (epochs - grown), workers  # grew once, never shrank
     assert history[grown]["finished_at"] > joined_at
@@ -216,3 +241,118 @@ def test_ingest_losing_a_node_commits_exactly_or_nothing_and_the_rerun_is_exact(
     print(
         f"ingest after the node loss: {status.value}; {len(manifests)} snapshot(s), {len(coordinates)} rows"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize(
+    ("head_cpus", "room"),
+    [
+        # Two more half-CPU actors fit the head: the lost ones are replaced there.
+        (2, True),
+        # The head is full with its own two: the pool goes on with two rather than wait for room.
+        (1, False),
+    ],
+    ids=["room-to-replace", "no-room"],
+)
+def test_federated_rounds_lose_a_node_and_carry_on_with_the_clients_left(
+    cluster, snapshot_settings, head_cpus, room
+):
+    """Four half-CPU client actors spread over the head and a 2-CPU node; the node dies in round 2.
+    Its clients fail, the round keeps what answered (≥ --min-clients), and the last round runs every
+    sampled client on the actors there are room for, rather than waiting out the round deadline
+    for replacements that have nowhere to run."""
+    settings = snapshot_settings
+    cluster.start_head(num_cpus=head_cpus)
+    cluster.add_node("worker", num_cpus=2)
+    common = settings_args(settings)
+    wait_for_job(cluster.dashboard, submit(cluster.dashboard, "ingest", *common))
+    run = "fl-node-loss"
+    job = submit(
+        cluster.dashboard,
+        "federate",
+        *common,
+        *("--rounds", "3", "--clients", "4", "--clients-per-round", "4", "--min-clients", "2"),
+        *("--num-cpus-per-client", "0.5", "--round-timeout-s", "300", "--run-name", run),
+        *("--local-epochs", "1", "--batch-size", "16", "--augment", "none"),
+    )
+    first_round = Path(settings.storage, "checkpoints", "federated", run, "round-00001", "state.json")
+    deadline = time.monotonic() + 600
+    while not first_round.exists():
+        assert time.monotonic() < deadline, "round 1 never finished"
+        time.sleep(0.5)
+    assert len(_client_actor_nodes(cluster)) == 2, "the client pool does not span both nodes"
+    cluster.kill("worker")
+    logs = wait_for_job(cluster.dashboard, job, timeout_s=900)
+    assert "registered v1" in logs, logs[-3000:]
+
+    history = _history(settings, "1")
+    for row in history:
+        print({k: row[k] for k in ("round", "clients_failed", "clients_timed_out", "updates_accepted")})
+    assert [row["round"] for row in history] == [1, 2, 3]
+    assert history[0]["clients_failed"] == 0 and history[0]["updates_accepted"] == 4
+    assert sum(row["clients_failed"] for row in history[1:]) >= 1  # the loss was felt
+    assert all(row["updates_accepted"] >= 2 and not row["abandoned"] for row in history)
+    last = history[-1]
+    assert last["updates_accepted"] == 4 and last["clients_failed"] == last["clients_timed_out"] == 0
+    assert ("no room for a replacement client actor" not in logs) == room, logs[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_replicas_across_nodes_switch_together_and_survive_their_node(cluster, tmp_path, monkeypatch):
+    """Three replicas on a 1-CPU head and a 2-CPU node, deployed with `serve --detach` as a Ray job
+    (proxies on the head only: both nodes share this host's ports). A promote under traffic from 8
+    clients switches every replica on both nodes at once: no failed request, no client sees new →
+    old. Then the worker node dies under traffic: Serve replaces its replicas on the head."""
+    # The one proxy spreads requests over every node's replicas, as a load balancer over every
+    # node's proxy would (a proxy otherwise prefers replicas on its own node).
+    monkeypatch.setenv("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", "0")
+    settings = Settings(storage=str(tmp_path / "data"), image_size=32, model="cnn", topic="serve-nodes")
+    old = register_untrained(settings)  # the first version gets the alias
+    new = register_untrained(settings)
+    cluster.start_head(num_cpus=1)
+    cluster.add_node("worker", num_cpus=2)
+    port = free_port()
+    common = ("--storage", settings.storage, "--image-size", "32", "--model", "cnn")
+    serve_args = ("--replicas", "3", "--http-port", str(port), "--proxy-location", "HeadOnly")
+    wait_for_job(
+        cluster.dashboard, submit(cluster.dashboard, "serve", "--detach", *serve_args, *common), timeout_s=300
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_for_rollout(url, old, timeout_s=240)
+    nodes = {r["node"] for r in requests.get(f"{url}/rollout", timeout=10).json()["replicas"]}
+    assert len(nodes) == 2, "the replicas do not span both nodes"
+
+    with Traffic(url) as traffic:
+        time.sleep(1.5)
+        promoted = run_cli("promote", new, "--wait-url", url, *common, timeout=300)
+        time.sleep(0.5)
+    assert promoted.returncode == 0, promoted.stderr[-3000:]
+    assert traffic.failed == [], traffic.failed[:5]
+    traffic.assert_switched_once(old, new)
+    after = sequential(url, 200)
+    assert {version for version, _ in after} == {new}
+    # Every replica on both nodes serves the new version. Which replicas 200 sequential requests
+    # reach is Serve's routing choice (one CI run saw two of the three), so it is not asserted.
+    replicas = _live_replicas(url)
+    assert len(replicas) == 3 and {r["serving"] for r in replicas} == {new}, replicas
+    assert len({r["node"] for r in replicas}) == 2
+    assert {replica for _, replica in after} <= {r["replica"] for r in replicas}
+
+    with Traffic(url) as traffic:
+        time.sleep(1.0)
+        cluster.kill("worker")
+        deadline = time.monotonic() + 240
+        while len(replicas := _live_replicas(url)) < 3:
+            assert time.monotonic() < deadline, f"Serve did not replace the lost replicas: {replicas}"
+            time.sleep(1.0)
+        wait_for_rollout(url, new, timeout_s=120)  # the replacements serve the new version
+        time.sleep(1.0)
+    assert len({r["node"] for r in replicas}) == 1
+    served, failed = sum(map(len, traffic.answers)), traffic.failed
+    print(f"\nnode loss under traffic: {len(failed)} of {served} requests failed: {failed[:3]}")
+    # Only requests running on the lost replicas fail (the proxy's plain-text 500s): one in flight
+    # per client, twice over for the replicas' health checks noticing late. Measured: 3 of 2,349.
+    assert len(failed) <= 2 * CLIENTS, failed[:5]
+    assert {version for version, _ in sequential(url, 30)} == {new}

@@ -5,7 +5,6 @@ killed replica's replacement serves the active version."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -13,15 +12,15 @@ from urllib.parse import urlparse
 import pytest
 import requests
 
-from app import registry, synth
+from app import registry
 from app.broker import free_port
 from app.config import ServeConfig
 from app.rollout import forget_deployment, record_deployment, wait_for_rollout
 
 from conftest import run_cli, settings_args
+from served import CLIENTS, Traffic, sequential
 
 REPLICAS = 3
-CLIENTS = 8
 # A kill fails only requests already running on that replica (Serve's router retries the ones it
 # had not started): each client has one request in flight, so at most CLIENTS. Measured on the
 # 2-core machine, four runs: 0, 1, 1 of ~3,000 and 2 of 2,496 requests (the proxy's plain-text
@@ -80,73 +79,6 @@ def promote_cli(settings, version: str, *extra: str):
     return run_cli("promote", version, *extra, *settings_args(settings), timeout=300)
 
 
-class Traffic:
-    """CLIENTS threads, each posting its own PNG back to back and keeping its answers in order as
-    (status, model_version or error, replica)."""
-
-    def __init__(self, url: str, clients: int = CLIENTS):
-        self.url = url
-        self.answers: list[list[tuple[int, str, str | None]]] = [[] for _ in range(clients)]
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._client, args=(i,)) for i in range(clients)]
-
-    def _client(self, index: int) -> None:
-        value = next(synth.generate(1, seed=100 + index, size=48)).value
-        session = requests.Session()
-        while not self._stop.is_set():
-            try:
-                response = session.post(
-                    f"{self.url}/predict", data=value, headers={"Content-Type": "image/png"}, timeout=60
-                )
-                try:
-                    body = response.json()
-                    outcome = body.get("model_version") or body.get("error", "")
-                except ValueError:  # not from a replica: the proxy's own error page
-                    outcome = response.text[:200]
-                self.answers[index].append(
-                    (response.status_code, outcome, response.headers.get("X-Argus-Replica"))
-                )
-            except requests.RequestException as exc:
-                self.answers[index].append((0, repr(exc), None))
-
-    @property
-    def failed(self) -> list[tuple[int, str, str | None]]:
-        return [a for client in self.answers for a in client if a[0] != 200]
-
-    def assert_switched_once(self, old: str, new: str) -> None:
-        """Every client saw `old`, then `new`, and never `old` again after `new`."""
-        for client, answers in enumerate(self.answers):
-            versions = [version for _, version, _ in answers]
-            assert old in versions and new in versions, (client, versions)  # it spanned the rollout
-            switch = versions.index(new)
-            assert set(versions[:switch]) == {old} and set(versions[switch:]) == {new}, (
-                f"client {client} saw new → old: {versions}"
-            )
-
-    def __enter__(self) -> Traffic:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join()
-
-
-def sequential(url: str, count: int) -> list[tuple[str, str]]:
-    """`count` requests one after another: (model_version, replica) of each, all 200."""
-    value = next(synth.generate(1, seed=7, size=48)).value
-    session, seen = requests.Session(), []
-    for _ in range(count):
-        response = session.post(
-            f"{url}/predict", data=value, headers={"Content-Type": "image/png"}, timeout=60
-        )
-        assert response.status_code == 200, response.text
-        seen.append((response.json()["model_version"], response.headers["X-Argus-Replica"]))
-    return seen
-
-
 def test_every_replica_switches_together_with_no_failed_request(trained, fleet):
     settings, _, _, _, _ = trained
     old = rollout_state(fleet)["active_version"]
@@ -169,8 +101,9 @@ def test_every_replica_switches_together_with_no_failed_request(trained, fleet):
     assert {version for version, _ in after} == {candidate}
     assert len({replica for _, replica in after}) == REPLICAS
     health = requests.get(f"{fleet}/healthz", timeout=10)
-    assert health.json()["behind"] is False and health.json()["error"] is None
-    assert health.headers["X-Argus-Replica"] == health.json()["replica"]
+    assert health.json() == {"status": "ok", "model_version": candidate} and health.headers["X-Argus-Replica"]
+    replicas = rollout_state(fleet)["replicas"]
+    assert all(r["alias_version"] == r["serving"] == candidate and r["error"] is None for r in replicas)
 
 
 def test_a_version_that_cannot_load_is_never_activated(trained, fleet, unloadable):
@@ -191,14 +124,15 @@ def test_a_version_that_cannot_load_is_never_activated(trained, fleet, unloadabl
         assert {version for version, _ in answered} == {active}
         assert {replica for _, replica in answered} == set(replicas)
         for _ in range(6):
-            health = requests.get(f"{fleet}/healthz", timeout=10).json()
-            assert health["model_version"] == active and health["alias_version"] == unloadable
-            assert health["behind"] is True and f"cannot load v{unloadable}" in health["error"]
-        assert all(r["error"] and r["serving"] == active for r in rollout_state(fleet)["replicas"])
+            assert requests.get(f"{fleet}/healthz", timeout=10).json()["model_version"] == active
+        # Every replica is behind its alias and says why, in /rollout (/healthz says only the version).
+        for r in rollout_state(fleet)["replicas"]:
+            assert r["serving"] == active and r["alias_version"] == unloadable, r
+            assert f"cannot load v{unloadable}" in r["error"], r
     finally:
         restored = promote_cli(settings, active, "--wait-url", fleet, "--timeout-s", "60")
         assert restored.returncode == 0, restored.stderr[-3000:]
-    assert requests.get(f"{fleet}/healthz", timeout=10).json()["behind"] is False
+    assert all(r["alias_version"] == r["serving"] == active for r in rollout_state(fleet)["replicas"])
 
 
 def test_a_killed_replica_is_replaced_on_the_active_version(trained, fleet, unloadable):

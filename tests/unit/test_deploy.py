@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 from pathlib import Path
+from urllib.parse import urlparse
 
 import jsonschema
 import pytest
@@ -214,6 +215,7 @@ def test_configmap_identical_in_every_manifest_and_used_by_every_container():
 def test_cluster_shape(kind):
     spec = cluster_spec(load_cr(kind))
     head = spec["headGroupSpec"]
+    # The head Service routes to it; the NetworkPolicy and token auth close it.
     assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
     (head_container,) = head["template"]["spec"]["containers"]
     assert {p["containerPort"] for p in head_container["ports"]} >= HEAD_PORTS
@@ -226,6 +228,53 @@ def test_cluster_shape(kind):
     for g in spec["workerGroupSpecs"]:
         assert g["minReplicas"] <= g.get("replicas", g["minReplicas"]) <= g["maxReplicas"]
     assert gpu_capacity(spec) >= 1
+
+
+RAY_AUTH_SECRET = "argus-ray-auth"
+CLUSTER_LABEL = "argus.dev/ray-cluster"
+# Ports a peer outside the Ray cluster may reach: Serve (behind API tokens) and metrics.
+OPEN_PORTS = {"RayCluster": {8080}, "RayJob": {8080}, "RayService": {8000, 8080}}
+
+
+@pytest.mark.parametrize("kind", MANIFESTS)
+def test_the_control_plane_needs_ray_token_auth(kind):
+    """KubeRay turns on Ray's token authentication from the Secret and calls the dashboard with it."""
+    spec = cluster_spec(load_cr(kind))
+    assert spec["authOptions"] == {"mode": "token", "secretName": RAY_AUTH_SECRET}
+    for c in containers(spec):  # a hand-set mode or token would fight the operator's
+        assert not {e["name"] for e in c.get("env", [])} & {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}, c["name"]
+    assert "serviceType" not in spec["headGroupSpec"], "the head Service must stay ClusterIP"
+
+
+@pytest.mark.parametrize("kind", MANIFESTS)
+def test_ray_ports_answer_only_the_clusters_own_pods(kind):
+    cr = load_cr(kind)
+    spec = cluster_spec(cr)
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    labels = {g["template"]["metadata"]["labels"][CLUSTER_LABEL] for g in groups}
+    assert labels == {cr["metadata"]["name"]}, labels
+    (policy,) = [d for d in load_docs(kind) if d.get("kind") == "NetworkPolicy"]
+    own_pods = {"podSelector": {"matchLabels": {CLUSTER_LABEL: cr["metadata"]["name"]}}}
+    operator = {
+        "namespaceSelector": {},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
+    }
+    assert policy["spec"]["podSelector"] == own_pods["podSelector"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    for rule in policy["spec"]["ingress"]:
+        peers = rule.get("from")
+        if peers and all(p in (own_pods, operator) for p in peers):
+            continue  # Ray's own traffic, and the operator's dashboard calls
+        ports = {p["port"] for p in rule.get("ports", [])}
+        assert ports and ports <= OPEN_PORTS[kind], f"{MANIFESTS[kind]}: {rule} opens {ports or 'every port'}"
+
+
+def test_cluster_yaml_runs_token_auth_with_a_loopback_dashboard():
+    config = launcher_config()
+    assert "-e RAY_AUTH_MODE=token" in config["docker"]["run_options"]
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    (head_start,) = [c for c in config["head_start_ray_commands"] if "ray start" in c]
+    assert "--dashboard-host=127.0.0.1" in head_start.split()
 
 
 def test_all_manifests_run_one_image():
@@ -247,6 +296,40 @@ def test_head_services_do_not_collide():
     # RayCluster and RayService both create `<metadata.name>-head-svc` in the namespace.
     names = [load_cr(kind)["metadata"]["name"] + "-head-svc" for kind in ("RayCluster", "RayService")]
     assert len(set(names)) == len(names), names
+
+
+# --- KubeRay: monitoring (README.md, "Monitoring") -----------------------------------------
+
+MONITORING_NAMESPACE = "monitoring"  # where Prometheus and Grafana run, and monitoring/ applies
+METRICS_TAB_ENV = ("RAY_GRAFANA_HOST", "RAY_PROMETHEUS_HOST", "RAY_GRAFANA_IFRAME_HOST")
+
+
+def test_the_heads_dashboard_finds_prometheus_and_grafana():
+    """The Metrics tab: the head's dashboard asks Grafana and Prometheus at their Services in the
+    namespace the NetworkPolicy lets scrape the metrics port, the one monitoring/ applies to."""
+    wired = {}
+    for kind, fname in MANIFESTS.items():
+        (head,) = cluster_spec(load_cr(kind))["headGroupSpec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in head.get("env", [])}
+        assert set(METRICS_TAB_ENV) <= env.keys(), f"{fname}: head lacks {set(METRICS_TAB_ENV) - env.keys()}"
+        for name in ("RAY_GRAFANA_HOST", "RAY_PROMETHEUS_HOST"):
+            url = urlparse(env[name])
+            assert url.scheme == "http" and url.port, f"{fname}: {name}={env[name]}"
+            assert url.hostname.endswith(f".{MONITORING_NAMESPACE}.svc"), f"{fname}: {name}={env[name]}"
+        assert urlparse(env["RAY_GRAFANA_IFRAME_HOST"]).scheme in {"http", "https"}, fname
+        wired[fname] = {name: env[name] for name in METRICS_TAB_ENV}
+        (policy,) = [d for d in load_docs(kind) if d.get("kind") == "NetworkPolicy"]
+        scrapers = [
+            rule
+            for rule in policy["spec"]["ingress"]
+            if {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": MONITORING_NAMESPACE}}}
+            in rule.get("from", [])
+        ]
+        assert any({"port": 8080, "protocol": "TCP"} in rule.get("ports", []) for rule in scrapers), fname
+    first, *rest = wired.values()
+    assert all(w == first for w in rest), f"the manifests' heads disagree: {wired}"
+    kustomization = yaml.safe_load((REPO / "monitoring" / "kustomization.yaml").read_text())
+    assert kustomization["namespace"] == MONITORING_NAMESPACE
 
 
 def test_rayjob_runs_ingest_then_train_inside_the_job():
@@ -346,6 +429,8 @@ def test_cluster_yaml_passes_ray_validation():
         t["resources"].get("GPU", 0) >= 1 for name, t in nodes.items() if name != config["head_node_type"]
     )
     for local in config["file_mounts"].values():
+        if local.startswith("~"):  # the operator's own file (Ray's auth token), not the repo's
+            continue
         assert (REPO / local).exists(), f"file_mounts source {local} does not exist relative to the repo root"
     assert any("pip install" in cmd and "~/argus" in cmd for cmd in config["setup_commands"])
 

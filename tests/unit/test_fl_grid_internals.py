@@ -84,3 +84,30 @@ def test_run_create_empty_gives_the_grid_a_run():
 def test_ray_grid_implements_every_abstract_method_of_flowers_grid():
     missing = sorted(name for name in Grid.__abstractmethods__ if name not in vars(RayGrid))
     assert not missing and not inspect.isabstract(RayGrid), f"{UPGRADE} to implement Grid.{missing}"
+
+
+def test_replies_cross_as_protobuf_and_keep_the_routing_of_their_instruction():
+    import numpy as np
+    from flwr.app import Array, ArrayRecord
+
+    from app.fl.grid import _parse_reply, message_to_proto
+
+    stamp_task_identity()
+    instruction = Message(RecordDict(), 2, "train")
+    assign_message_id(instruction, "m-2")
+    other = Message(RecordDict(), 5, "train")
+    assign_message_id(other, "m-5")
+    # A client that answers in another's name: its reply claims node 5's instruction.
+    content = RecordDict({"arrays": ArrayRecord({"w": Array(np.ones((2, 2), np.float32))})})
+    claimed = Message(content, reply_to=other)
+    reply = _parse_reply(message_to_proto(claimed).SerializeToString(), instruction)
+    assert (reply.metadata.src_node_id, reply.metadata.reply_to_message_id) == (2, "m-2")
+    assert np.array_equal(reply.content["arrays"]["w"].numpy(), np.ones((2, 2), np.float32))
+
+    error = _parse_reply(
+        message_to_proto(Message(Error(0, "boom"), reply_to=instruction)).SerializeToString(), instruction
+    )
+    assert error.has_error() and error.error.reason == "boom"
+    garbage = _parse_reply(b"\xff" * 40, instruction)
+    assert garbage.has_error() and "unreadable reply" in garbage.error.reason
+    assert garbage.error.code == ErrorCode.CLIENT_APP_CRASHED

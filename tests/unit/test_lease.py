@@ -12,9 +12,20 @@ import time
 
 import pytest
 
-from app.lease import Lease, LeaseHeld, LeaseLost
+from app.lease import Lease, LeaseHeld, LeaseLost, SharedLease
 
 from conftest import ROOT
+
+
+def _expired_elsewhere() -> dict:
+    """A holder record of a writer on another host whose lease ran out a second ago."""
+    return {
+        "owner": "gone",
+        "host": "another-host",
+        "pid": 1,
+        "acquired_at": 0.0,
+        "expires_at": time.time() - 1,
+    }
 
 
 def test_a_second_writer_is_refused_until_the_first_releases(tmp_path):
@@ -40,14 +51,7 @@ def test_the_holder_renews_so_it_outlives_its_ttl(tmp_path):
 def test_an_expired_holder_elsewhere_loses_the_lease_to_the_next_writer(tmp_path):
     root = tmp_path / "lease"
     root.mkdir()
-    stale = {
-        "owner": "gone",
-        "host": "another-host",
-        "pid": 1,
-        "acquired_at": 0.0,
-        "expires_at": time.time() - 1,
-    }
-    (root / "000000000007.json").write_text(json.dumps(stale))
+    (root / "000000000007.json").write_text(json.dumps(_expired_elsewhere()))
     lease = Lease(str(root))
     lease.acquire()
     assert lease.generation == 8 and not (root / "000000000007.json").exists()
@@ -86,3 +90,51 @@ def test_a_writer_whose_lease_was_taken_over_must_not_commit(tmp_path):
     with Lease(str(tmp_path / "lease")).held():
         with pytest.raises(LeaseLost, match="taken over"):
             slow.check()
+
+
+def test_shared_holders_coexist_and_exclude_the_exclusive_writer_and_it_them(tmp_path):
+    root = str(tmp_path / "lease")
+    first, second = SharedLease(root), SharedLease(root)
+    with first.held(), second.held():  # two watches of one topic
+        with pytest.raises(LeaseHeld, match="shared by 2 watcher"):
+            Lease(root).acquire()  # a bulk ingest waits for both
+        first.check()
+        second.check()
+    with Lease(root).held():  # both gone: the bulk ingest runs, and a watch waits for it
+        with pytest.raises(LeaseHeld, match="held by"):
+            SharedLease(root).acquire()
+    with SharedLease(root).held() as again:
+        again.check()
+
+
+def test_a_writer_that_starts_at_the_same_moment_as_the_other_kind_backs_off(tmp_path):
+    """Each writes its record before looking for the other's: the later look sees the earlier write."""
+    root = str(tmp_path / "lease")
+    exclusive = Lease(root)
+    exclusive.sharers = lambda: []  # it looked before the watch's record was written...
+    exclusive.acquire()
+    with pytest.raises(LeaseHeld, match=f"held by {exclusive.owner}"):
+        SharedLease(root).acquire()  # ...so the watch, looking after, sees its generation
+    exclusive.release()
+
+    watch, late = SharedLease(root), Lease(root)
+    watch.acquire()
+    looks = []  # the other order: its first look missed the watch, its second sees it
+    late.sharers = lambda: Lease.sharers(late) if looks.append(1) or len(looks) > 1 else []
+    with pytest.raises(LeaseHeld, match="shared by 1"):
+        late.acquire()
+    assert late._read(late.generation).expires_at == 0.0  # the generation it wrote is released
+    watch.check()
+
+
+def test_a_dead_or_expired_sharer_neither_blocks_the_exclusive_writer_nor_may_commit(tmp_path):
+    root = tmp_path / "lease"
+    (root / "shared").mkdir(parents=True)
+    (root / "shared" / "gone.json").write_text(json.dumps(_expired_elsewhere()))
+    paused = SharedLease(str(root), ttl_s=0.5)
+    paused.acquire()  # no heartbeat: a watch that stalled past its TTL
+    time.sleep(0.6)
+    with Lease(str(root)).held():
+        with pytest.raises(LeaseLost, match="expired"):
+            paused.check()
+    assert not (root / "shared" / "gone.json").exists()  # nobody renews it again: deleted

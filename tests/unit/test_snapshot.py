@@ -322,3 +322,78 @@ def test_skipped_offsets_count_as_covered_and_lost_ones_keep_the_ledger_contiguo
             features_weights=None,
             allowed_lateness_s=60.0,
         )
+
+
+class _WritesAFile:
+    """Unpickling this creates `path`: proof that reading ran code from the file."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _listed_file(settings, snapshot_id: str, table) -> tuple[str, Manifest]:
+    """`table` as a snapshot's only file, with a manifest whose digest matches it (as someone who
+    can write the store could make one)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer)
+    data = buffer.getvalue().to_pybytes()
+    folder = settings.local_storage_path / "snapshots" / snapshot_id / "event_date=2026-01-01"
+    folder.mkdir(parents=True)
+    (folder / "part-0.parquet").write_bytes(data)
+    stats = task_stats(0, range(0, table.num_rows))
+    stats.files.append(
+        DataFile("event_date=2026-01-01/part-0.parquet", len(data), snapshot.storage.sha256(data))
+    )
+    return snapshot_uri(settings, snapshot_id), commit(settings, snapshot_id, {0: (0, table.num_rows)}, stats)
+
+
+def test_parquet_whose_values_would_unpickle_is_refused_before_it_is_read(settings, tmp_path):
+    import pyarrow as pa
+    from ray.data._internal.object_extensions.arrow import ArrowPythonObjectArray
+
+    marker = tmp_path / "ran"
+    payload = ArrowPythonObjectArray.from_objects([_WritesAFile(marker), _WritesAFile(marker)])
+    table = pa.table({"label": ["a", "b"], "event_time": [1, 2], "image": payload})
+    uri, manifest = _listed_file(settings, "snap-pickle", table)
+    with pytest.raises(CorruptSnapshot, match="extension type 'ray.data.arrow_pickled_object'"):
+        data_file_uris(settings, [manifest])
+    with pytest.raises(CorruptSnapshot, match="arrow_pickled_object"):
+        read_rows([uri], ["image"])
+    assert not marker.exists()
+
+
+def test_parquet_schemas_readers_cannot_trust_are_refused(settings):
+    import numpy as np
+    import pyarrow as pa
+    from ray.data.extensions import ArrowTensorArray
+
+    pixels = ArrowTensorArray.from_numpy(np.zeros((2, 3, 4, 4), dtype=np.uint8))
+    good = pa.table({"label": ["a", "b"], "event_time": [1, 2], "image": pixels})
+    uri, manifest = _listed_file(settings, "snap-good", good)
+    assert read_rows([uri], ["label"]).column("label").to_pylist() == ["a", "b"]
+
+    unknown = pa.field("image", pa.large_binary(), metadata={"ARROW:extension:name": "somelib.pickled"})
+    cases = {
+        "snap-unregistered": (
+            pa.table({"image": pa.array([b"x", b"y"], pa.large_binary())}).cast(pa.schema([unknown])),
+            "somelib.pickled",
+        ),
+        "snap-label": (
+            pa.table({"label": [1, 2], "event_time": [1, 2], "image": pixels}),
+            "'label' is int64",
+        ),
+        "snap-pixels": (
+            pa.table({"label": ["a", "b"], "image": pa.array([[1], [2]])}),
+            "'image' is not a tensor",
+        ),
+    }
+    for snapshot_id, (table, why) in cases.items():
+        _, manifest = _listed_file(settings, snapshot_id, table)
+        with pytest.raises(CorruptSnapshot, match=why):
+            data_file_uris(settings, [manifest])
