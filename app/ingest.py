@@ -16,17 +16,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import ray
 import ray.data
 from ray.data import DataContext
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from app import kafka, metrics
+from app import kafka, metrics, storage
 from app import snapshot as store
 from app.config import IngestConfig, Settings
 from app.lease import Lease, LeaseHeld
@@ -40,6 +43,9 @@ FAULT_ENV = "ARGUS_FAULT"
 
 IO_TASK_CPUS = 0.25
 """Logical CPUs of a Kafka read task and of a snapshot write task (see PREPROCESS_ACTOR_CPUS)."""
+
+PROGRESS_INTERVAL_S = 10.0
+"""How often a running ingest says how far its write has got."""
 
 
 # ---------------------------------------------------------------- reading
@@ -305,7 +311,11 @@ def _ingest_holding(
         )
         with streaming_blocks():
             dataset = preprocess_batches(read_ranges(source), settings, cfg)
-        dataset.write_datasink(sink, ray_remote_args={"num_cpus": IO_TASK_CPUS}, concurrency=io_concurrency())
+        offsets = sum(end - start for start, end in ranges.values())
+        with progress_lines(target.snapshot_uri, offsets):
+            dataset.write_datasink(
+                sink, ray_remote_args={"num_cpus": IO_TASK_CPUS}, concurrency=io_concurrency()
+            )
     manifest = store.build_manifest(
         settings,
         snapshot_id,
@@ -346,6 +356,37 @@ def _ingest_holding(
     )
     _export_metrics(settings.topic, report)
     return report
+
+
+@contextlib.contextmanager
+def progress_lines(snapshot_uri: str, offsets: int, interval_s: float | None = None) -> Iterator[None]:
+    """While the block runs, a line every `interval_s` (PROGRESS_INTERVAL_S) with the records the
+    snapshot's Parquet files hold so far: off a terminal, where Ray Data shows no progress bar,
+    the only live sign of a long ingest. Write tasks write each file whole, so every footer read
+    is of a complete file; dead letters are not in them, so the count may end below `offsets`."""
+    interval_s = PROGRESS_INTERVAL_S if interval_s is None else interval_s
+    stop = threading.Event()
+    fs, root = storage.filesystem(snapshot_uri)
+
+    def report() -> None:
+        rows: dict[str, int] = {}  # each file's footer is read once
+        while not stop.wait(interval_s):
+            try:
+                for info in fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True)):
+                    if info.path.endswith(".parquet") and info.path not in rows:
+                        rows[info.path] = pq.read_metadata(info.path, filesystem=fs).num_rows
+            except Exception as exc:  # storage busy or gone: lose a progress line, not the ingest
+                log.debug("ingest progress: %s", exc)
+                continue
+            log.info("ingest: %d of %d offsets written as records so far", sum(rows.values()), offsets)
+
+    thread = threading.Thread(target=report, name="ingest-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def check_no_overlap(settings: Settings, ranges: dict[int, tuple[int, int]]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import subprocess
 import sys
 from collections import Counter
@@ -111,9 +112,13 @@ def test_produce_from_dir(settings, tmp_path):
     assert labels == {"normal": 2, "ransom_note": 2}
 
 
-def test_ingest_is_exact_and_resumable(settings, ray_cluster):
+def test_ingest_is_exact_and_resumable(settings, ray_cluster, monkeypatch, caplog):
     import dataclasses
 
+    import app.ingest
+
+    monkeypatch.setattr(app.ingest, "PROGRESS_INTERVAL_S", 0.2)  # the write takes seconds here
+    caplog.set_level(logging.INFO, logger="app.ingest")
     settings = dataclasses.replace(settings, classes=synth.DEFAULT_CLASSES)
     valid = valid_records(60, seed=1)
     now = max(r[3] for r in valid)
@@ -127,6 +132,7 @@ def test_ingest_is_exact_and_resumable(settings, ray_cluster):
     cfg = IngestConfig(max_record_bytes=4096, allowed_lateness_s=3600)
     first = ingest(settings, cfg, settings.kafka_connection())
     assert first.snapshot_id and first.records == 61 and first.dlq == 11
+    assert any(r.getMessage().endswith("of 72 offsets written as records so far") for r in caplog.records)
     rows = snapshot_rows(settings, first.snapshot_id)
     assert {(r["partition"], r["offset"]) for r in rows} == good and len(rows) == 61
     manifest = json.loads(open(f"{snapshot_uri(settings, first.snapshot_id)}/{MANIFEST}").read())
