@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from app import options
 from app.config import (
-    ConfigError,
     IngestConfig,
     ProduceConfig,
     ServeConfig,
@@ -31,6 +30,7 @@ from app.config import (
     check_reachable,
     from_namespace,
 )
+from app.errors import ConfigError
 
 log = logging.getLogger("argus")
 
@@ -47,21 +47,21 @@ def _stop_event() -> threading.Event:
 
 
 def _demo(settings: Settings, args) -> int:
-    from app.demo import run_demo
+    from app.ops.demo import run_demo
 
     return run_demo(settings, args)
 
 
 def _broker(settings: Settings, args) -> int:
-    from app import broker
+    from app.data import broker
 
     settings.local_storage_path.mkdir(parents=True, exist_ok=True)
     return broker.run_foreground(settings.local_storage_path, args.port)
 
 
 def _produce(settings: Settings, args) -> int:
-    from app.broker import kafka_endpoint
-    from app.produce import produce
+    from app.data.broker import kafka_endpoint
+    from app.data.produce import produce
 
     cfg = from_namespace(ProduceConfig, args)
     with kafka_endpoint(settings) as kafka:
@@ -70,9 +70,9 @@ def _produce(settings: Settings, args) -> int:
 
 
 def _ingest(settings: Settings, args) -> int:
-    from app.broker import kafka_endpoint
     from app.cluster import ray_session, require_local_gpu
-    from app.ingest import ingest
+    from app.data.broker import kafka_endpoint
+    from app.data.ingest import ingest
 
     cfg = from_namespace(IngestConfig, args)
     require_local_gpu(settings, cfg.use_gpu)
@@ -82,9 +82,9 @@ def _ingest(settings: Settings, args) -> int:
 
 
 def _watch(settings: Settings, args) -> int:
-    from app.broker import kafka_endpoint
     from app.cluster import ray_session, require_local_gpu
-    from app.watch import WatchConfig, watch
+    from app.data.broker import kafka_endpoint
+    from app.data.watch import WatchConfig, watch
 
     cfg, ingest_cfg = from_namespace(WatchConfig, args), from_namespace(IngestConfig, args)
     require_local_gpu(settings, ingest_cfg.use_gpu)
@@ -127,8 +127,8 @@ def _federate(settings: Settings, args) -> int:
 
 def _serve(settings: Settings, args) -> int:
     from app import serve
-    from app.access import TOKENS_ENV, AccessConfig
     from app.cluster import ray_session
+    from app.serve.access import TOKENS_ENV, AccessConfig
 
     cfg = from_namespace(ServeConfig, args)
     from_env = not args.api_tokens and os.environ.get(TOKENS_ENV)
@@ -147,7 +147,7 @@ def _serve(settings: Settings, args) -> int:
 
 
 def _promote(settings: Settings, args) -> int:
-    from app.rollout import PromoteConfig, promote
+    from app.serve.rollout import PromoteConfig, promote
 
     print(promote(settings, from_namespace(PromoteConfig, args)))
     return 0
@@ -155,7 +155,7 @@ def _promote(settings: Settings, args) -> int:
 
 def _drift(settings: Settings, args) -> int:
     from app.cluster import ray_session
-    from app.drift import DriftConfig, drift
+    from app.ops.drift import DriftConfig, drift
 
     cfg = from_namespace(DriftConfig, args)
     # A dashboard (http://) address is for job submission; the statistics run on a local Ray.

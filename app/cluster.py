@@ -55,7 +55,7 @@ def require_local_gpu(settings, use_gpu: bool) -> None:
     error instead. A cluster may autoscale GPU nodes in, so there the request stands."""
     if not use_gpu or joins_cluster(settings):
         return
-    from app.config import ConfigError
+    from app.errors import ConfigError
     from app.model import local_device
 
     if local_device().type != "cuda":

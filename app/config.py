@@ -12,16 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from app.data.kafka import KafkaConnection
+from app.data.kafka_config import load_kafka_config
+from app.errors import ConfigError
+
 MODELS = ("resnet50", "resnet18", "cnn")
 AMP_MODES = ("auto", "off", "bf16", "fp16")
 DEFAULT_TOPIC = "user_behavior_images"
 DEFAULT_MODEL_NAME = "argus-behavior"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-class ConfigError(ValueError):
-    """A bad argument or setting: the CLI prints it as one line and exits 2."""
 
 
 def _require(ok: bool, message: str) -> None:
@@ -55,7 +55,7 @@ class Settings:
     """Replication factor of topics Argus creates."""
     kafka_config: str | None = None
     """File of librdkafka properties (`security.protocol`, `ssl.*`, `sasl.*`, ...) applied to every
-    Kafka client Argus creates; see `app.kafka_config.load_kafka_config`."""
+    Kafka client Argus creates; see `app.data.kafka_config.load_kafka_config`."""
     kafka_properties: dict[str, str] = dataclasses.field(default_factory=dict, init=False, repr=False)
     """`kafka_config`'s properties, parsed and checked once here."""
     model_name: str = DEFAULT_MODEL_NAME
@@ -84,15 +84,11 @@ class Settings:
                 "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY), never in a URI",
             )
         if self.kafka_config is not None:
-            from app.kafka_config import load_kafka_config
-
             self.kafka_properties = load_kafka_config(self.kafka_config)
 
     def kafka_connection(self, bootstrap_servers: str | None = None):
-        """The `app.kafka.KafkaConnection` to `bootstrap_servers` (default: the configured ones) with
+        """The `app.data.kafka.KafkaConnection` to `bootstrap_servers` (default: the configured ones) with
         `--kafka-config`'s properties: what every Kafka client Argus creates is built from."""
-        from app.kafka import KafkaConnection
-
         servers = bootstrap_servers or self.bootstrap_servers
         _require(servers is not None, "no Kafka bootstrap servers configured")
         return KafkaConnection(servers, self.kafka_properties)

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from app.config import ConfigError
+from app.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

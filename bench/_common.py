@@ -67,7 +67,7 @@ def local_ray(num_cpus: int = 2) -> Iterator[None]:
 
 @contextlib.contextmanager
 def embedded_broker(storage: Path) -> Iterator[str]:
-    from app.broker import EmbeddedBroker
+    from app.data.broker import EmbeddedBroker
 
     broker = EmbeddedBroker.create(storage).start()
     try:
@@ -84,15 +84,15 @@ def scratch_dir(prefix: str) -> Iterator[Path]:
 
 def synthetic_pool(unique: int, size: int, seed: int = 0) -> list:
     """`unique` distinct synthetic records; benches cycle through them (rendering is ~1 ms each)."""
-    from app import synth
+    from app.data import synth
 
     return list(synth.generate(unique, seed=seed, size=size, corrupt_fraction=0.0))
 
 
 def produce_records(bootstrap: str, topic: str, n: int, pool: list, partitions: int = 4) -> float:
     """Publish n records cycling through `pool` with Argus's own producer; returns seconds."""
-    from app.kafka import KafkaConnection, ensure_topics
-    from app.records import record_headers
+    from app.data.kafka import KafkaConnection, ensure_topics
+    from app.data.records import record_headers
 
     kafka = KafkaConnection(bootstrap)
     ensure_topics(kafka, topic, f"{topic}.dlq", partitions)

@@ -46,8 +46,8 @@ def make_snapshot(records: int, users: int) -> None:
     from ray.data.extensions import ArrowTensorArray
 
     from app import storage
-    from app.snapshot import MANIFEST, DataFile, WriteStats, build_manifest
-    from app.synth import generate
+    from app.data.snapshot import MANIFEST, DataFile, WriteStats, build_manifest
+    from app.data.synth import generate
     from app.transform import decode_pixels, resize_pixels
 
     root = STORAGE / "snapshots" / SNAPSHOT
@@ -106,9 +106,9 @@ def sequential_fedavg(cfg) -> list[float]:
     import torch
 
     from app import model as core
+    from app.data.snapshot import read_manifest, snapshot_uri
     from app.fl import central_test
     from app.fl.task import exchanged_keys, load_client_data, local_evaluate, local_train, model_arrays
-    from app.snapshot import read_manifest, snapshot_uri
 
     classes = tuple(read_manifest(settings(), SNAPSHOT).classes)
     uris = (snapshot_uri(settings(), SNAPSHOT),)

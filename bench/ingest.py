@@ -8,7 +8,7 @@
    (one consumer, counting records and value bytes). Also, for diagnosis, the app's own
    `read_partition_range` called partition by partition in this process. Goal ≥ 0.9×.
 2. preprocess: the `Preprocessor` UDF in the `map_batches` actor pool `ingest` builds
-   (`app.preprocess.preprocess_batches`: batch 64, from 1 up to one actor per CPU, 1 decode thread each;
+   (`app.data.preprocess.preprocess_batches`: batch 64, from 1 up to one actor per CPU, 1 decode thread each;
    and, for reference, the previous default of 1 actor decoding in 2 threads), vs a plain
    `multiprocessing.Pool(2)` decoding with Pillow, resizing (bilinear, antialiased) and
    normalising with numpy, over the same encoded images: Ray's input blocks already in the object
@@ -55,8 +55,8 @@ def ray_read(bootstrap: str, topic: str, partitions: list[int], records_per_bloc
     """What ingest does before preprocessing: probe the true ends, then read every range with Ray Data."""
     import pyarrow.compute as pc
 
-    from app.ingest import KafkaRangeDatasource, read_ranges, streaming_blocks
-    from app.kafka import KafkaConnection, probe_end_offsets
+    from app.data.ingest import KafkaRangeDatasource, read_ranges, streaming_blocks
+    from app.data.kafka import KafkaConnection, probe_end_offsets
 
     started = time.perf_counter()
     kafka = KafkaConnection(bootstrap)
@@ -114,7 +114,7 @@ def app_reader_in_process(
     """Diagnosis: the app's read_partition_range (Arrow blocks, headers parsed) without Ray."""
     import pyarrow.compute as pc
 
-    from app.kafka import KafkaConnection, read_partition_range
+    from app.data.kafka import KafkaConnection, read_partition_range
 
     started = time.perf_counter()
     rows = size = 0
@@ -144,7 +144,7 @@ def raw_table(values: list[bytes], labels: list[str]):
     """Rows shaped like the Kafka read's output (RAW_SCHEMA), for the Preprocessor UDF."""
     import pyarrow as pa
 
-    from app.kafka import RAW_SCHEMA
+    from app.data.kafka import RAW_SCHEMA
 
     n = len(values)
     columns = {
@@ -165,10 +165,10 @@ def raw_table(values: list[bytes], labels: list[str]):
 
 
 def _timed_preprocessor():
-    """app.preprocess.Preprocessor, unchanged, plus when each batch started and ended (wall clock)."""
+    """app.data.preprocess.Preprocessor, unchanged, plus when each batch started and ended (wall clock)."""
     import numpy as np
 
-    from app.preprocess import Preprocessor
+    from app.data.preprocess import Preprocessor
 
     class TimedPreprocessor(Preprocessor):
         def __call__(self, batch):
@@ -184,12 +184,12 @@ def _timed_preprocessor():
 def ray_preprocess(
     values: list[bytes], labels: list[str], image_size: int, records_per_block: int, **ingest_options
 ) -> dict:
-    """Preprocessor in the actor pool `ingest` builds (`app.preprocess.preprocess_batches`)."""
+    """Preprocessor in the actor pool `ingest` builds (`app.data.preprocess.preprocess_batches`)."""
     import pyarrow.compute as pc
     import ray.data
 
     from app.config import IngestConfig, Settings
-    from app.preprocess import preprocess_batches
+    from app.data.preprocess import preprocess_batches
 
     table = raw_table(values, labels)
     blocks = [table.slice(i, records_per_block) for i in range(0, len(values), records_per_block)]
@@ -320,8 +320,8 @@ def ingest_child(bootstrap: str, topic: str, storage: str) -> dict:
 def ingest_into(bootstrap: str, topic: str, storage: str) -> dict:
     """One whole `ingest()` of the topic into an empty storage (this process's Ray)."""
     from app.config import IngestConfig, Settings
-    from app.ingest import ingest
-    from app.kafka import KafkaConnection
+    from app.data.ingest import ingest
+    from app.data.kafka import KafkaConnection
 
     settings = Settings(topic=topic, storage=storage, image_size=32, model="cnn", partitions=4)
     started = time.perf_counter()
@@ -343,7 +343,7 @@ def s3_storage(uri: str | None) -> Iterator[str]:
         return
     from moto.server import ThreadedMotoServer
 
-    from app.broker import free_port
+    from app.net import free_port
     from app.storage import s3_client
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per S3 request
@@ -514,7 +514,7 @@ def main() -> int:
                 pool = common.synthetic_pool(min(args.records, 1000), args.source_size, seed=1)
                 seconds = common.produce_records(bootstrap, topic, args.records, pool)
                 print(f"  produced {args.records} records in {seconds:.1f}s")
-                from app.kafka import KafkaConnection, partitions_of, probe_end_offsets
+                from app.data.kafka import KafkaConnection, partitions_of, probe_end_offsets
 
                 kafka = KafkaConnection(bootstrap)
                 partitions = partitions_of(kafka, topic)

@@ -35,7 +35,7 @@
    Both train with `--seeds` seeds (default 3: train's `--seed 0..2`, the same seeds here): on 180
    test images one seed moves the accuracy by several points, more than the 1 % the goal allows,
    so the goal compares medians.
-3. Synthetic six-class set (`app.synth`, as `make demo` produces it, no corrupt records):
+3. Synthetic six-class set (`app.data.synth`, as `make demo` produces it, no corrupt records):
    per-class recall on its test slice before and after the augmentation change: "before" is
    `--augment strong` (flips, crops to 60 %, rotations, strong colour jitter: about the old
    default), "after" the CLI's default. Against a CLI without `--augment` it compares the
@@ -118,7 +118,7 @@ def digit_records(size: int, seed: int, start_ms: int) -> list[Record]:
 def synthetic_records(n: int, seed: int) -> list[Record]:
     """The six-class synthetic set as `python -m app produce --synthetic` makes it, minus corrupt
     values (they become dead letters, never test records)."""
-    from app import synth
+    from app.data import synth
 
     return [
         Record(r.user_id, r.device_id, r.label, r.event_time_ms, r.value)
@@ -229,7 +229,7 @@ def before_after_flags(choices: list[str] | None) -> tuple[tuple[str, list[str]]
 
 def snapshot_counts(storage: Path, topic: str) -> tuple[int, int]:
     from app.config import Settings
-    from app.snapshot import list_manifests
+    from app.data.snapshot import list_manifests
 
     manifests = [m for m in list_manifests(Settings(storage=str(storage))) if m.topic == topic]
     return sum(m.records for m in manifests), sum(m.dlq for m in manifests)
@@ -498,7 +498,7 @@ def main() -> int:
         synthetic = None
         if not args.skip_synthetic:
             epochs = args.synthetic_epochs or args.epochs
-            print(f"\n== synthetic six-class set: {args.synthetic_records} records (app.synth, seed 7)")
+            print(f"\n== synthetic six-class set: {args.synthetic_records} records (app.data.synth, seed 7)")
             t = time.perf_counter()
             records = synthetic_records(args.synthetic_records, seed=7)
             phase("synthetic: render", t)

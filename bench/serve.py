@@ -44,7 +44,8 @@ def register_untrained(tracking_uri: str, artifact_root: str, model: str, image_
     """An untrained `model` as version 1 (alias champion) of `bench-<model>`; returns the name."""
     import torch
 
-    from app import registry, synth
+    from app import registry
+    from app.data import synth
     from app.model import build_model
 
     torch.manual_seed(0)
@@ -110,7 +111,7 @@ def plain_server(port: int, tracking_uri: str, models: list[str], threads: int) 
 
 
 def start_plain_server(tracking_uri: str, models: list[str], threads: int) -> tuple[subprocess.Popen, str]:
-    from app.broker import free_port
+    from app.net import free_port
 
     port = free_port()
     process = subprocess.Popen(
@@ -170,7 +171,7 @@ def ingress_server(ingress: str, tracking_uri: str, model: str, args) -> None:
     with common.local_ray(num_cpus=2):
         from ray import serve
 
-        from app.broker import free_port
+        from app.net import free_port
         from app.serve import build_app
 
         port = free_port()
@@ -349,7 +350,7 @@ def main() -> int:
         return 0
 
     print(f"bench/serve.py · {common.machine_line()}")
-    from app import synth
+    from app.data import synth
 
     bodies = [r.value for r in synth.generate(64, seed=9, size=args.image_size)]
     if args.ingress:
@@ -374,7 +375,7 @@ def main() -> int:
             with common.local_ray(num_cpus=2):
                 from ray import serve
 
-                from app.broker import free_port
+                from app.net import free_port
                 from app.serve import build_app
 
                 port = free_port()

@@ -29,8 +29,8 @@ LAG_GOAL_S, RATIO_GOAL = 2.0, 0.7
 
 def bulk_rate(bootstrap: str, storage: str, pool: list, n: int) -> float:
     from app.config import IngestConfig, Settings
-    from app.ingest import ingest
-    from app.kafka import KafkaConnection
+    from app.data.ingest import ingest
+    from app.data.kafka import KafkaConnection
 
     topic = f"bulk-{uuid.uuid4().hex[:6]}"
     common.produce_records(bootstrap, topic, n, pool)
@@ -41,8 +41,8 @@ def bulk_rate(bootstrap: str, storage: str, pool: list, n: int) -> float:
 
 def steady_produce(bootstrap: str, topic: str, rate: float, seconds: float, pool: list) -> dict:
     """Send `rate` records/s for `seconds`, in 10 ms ticks; returns the achieved rate."""
-    from app.kafka import KafkaConnection
-    from app.records import record_headers
+    from app.data.kafka import KafkaConnection
+    from app.data.records import record_headers
 
     producer = KafkaConnection(bootstrap).producer(linger_ms=5)
     sent, started = 0, time.perf_counter()
@@ -67,7 +67,7 @@ def steady_produce(bootstrap: str, topic: str, rate: float, seconds: float, pool
 
 def durable_lags(settings) -> list[float]:
     """Seconds from each record's Kafka timestamp to its part's commit."""
-    from app.snapshot import list_manifests, read_rows, snapshot_uri
+    from app.data.snapshot import list_manifests, read_rows, snapshot_uri
 
     lags = []
     for m in list_manifests(settings):
@@ -81,9 +81,9 @@ def durable_lags(settings) -> list[float]:
 
 def run_rate(bootstrap: str, storage: str, rate: float, seconds: float, pool: list) -> dict:
     from app.config import IngestConfig, Settings
-    from app.kafka import KafkaConnection, ensure_topics
-    from app.snapshot import list_manifests
-    from app.watch import WatchConfig, watch
+    from app.data.kafka import KafkaConnection, ensure_topics
+    from app.data.snapshot import list_manifests
+    from app.data.watch import WatchConfig, watch
 
     topic = f"stream-{int(rate)}-{uuid.uuid4().hex[:6]}"
     settings = Settings(bootstrap_servers=bootstrap, topic=topic, storage=storage, image_size=64, model="cnn")

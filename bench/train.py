@@ -6,7 +6,7 @@
 1. step throughput: the same model, batch, optimiser (AdamW), loss and `app.model.train_epoch`,
    synthetic data generated in memory inside each worker, 2 workers with `--threads` torch threads
    each (1, as `app.train` gives a 0.5-CPU worker), gloo all-reduce:
-   - Ray: `TorchTrainer` with 2 workers, `resources_per_worker={"CPU": 0.5}` as `app/train.py`
+   - Ray: `TorchTrainer` with 2 workers, `resources_per_worker={"CPU": 0.5}` as `app/train/trainer.py`
      configures it, the model through `ray.train.torch.prepare_model`;
    - plain: `torch.multiprocessing.spawn` of 2 processes, `init_process_group("gloo")`, `DDP(model)`.
    Images/s are timed between barriers after warm-up steps (trainer start-up is excluded and
@@ -150,7 +150,7 @@ def _ddp_worker(rank: int, world: int, port: int, cfg: dict, out_dir: str) -> No
 def plain_ddp_run(cfg: dict) -> dict:
     import torch.multiprocessing as mp
 
-    from app.broker import free_port
+    from app.net import free_port
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="argus-bench-ddp-") as out_dir:
@@ -164,7 +164,7 @@ def plain_ddp_run(cfg: dict) -> dict:
 
 def full_path(args, tmp: Path) -> dict:
     from app.config import IngestConfig, Settings, TrainConfig
-    from app.ingest import ingest
+    from app.data.ingest import ingest
     from app.train import train
 
     with common.embedded_broker(tmp) as bootstrap:

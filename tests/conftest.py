@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import pytest
 
-from app.broker import EmbeddedBroker
 from app.config import SETTINGS_ENV, Settings
+from app.data.broker import EmbeddedBroker
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_IMAGE_SIZE = 32
@@ -35,7 +35,7 @@ def s3_endpoint():
     starts, so Ray's workers (ingest tasks, training workers, Serve replicas) inherit it too."""
     from moto.server import ThreadedMotoServer
 
-    from app.broker import free_port
+    from app.net import free_port
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per S3 request
     port = free_port()
@@ -69,8 +69,8 @@ def ray_cluster(s3_endpoint):
     port of its Prometheus metrics endpoint."""
     import ray
 
-    from app.broker import free_port
     from app.cluster import apply_serve_env
+    from app.net import free_port
 
     apply_serve_env()  # Serve as Argus runs it
     metrics_port = free_port()
@@ -225,8 +225,8 @@ class Trained(NamedTuple):
 def trained(tmp_path_factory, broker, ray_cluster):
     """One snapshot of synthetic records and one registered model, shared by train and serve tests."""
     from app.config import IngestConfig, ProduceConfig, TrainConfig
-    from app.ingest import ingest
-    from app.produce import produce
+    from app.data.ingest import ingest
+    from app.data.produce import produce
     from app.train import train
 
     settings = Settings(

@@ -17,8 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.broker import free_port
 from app.cluster import SERVE_ENV
+from app.net import free_port
 
 from conftest import ROOT, child_env
 

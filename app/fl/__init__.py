@@ -27,7 +27,9 @@ from torch import nn
 from app import model as core
 from app import registry
 from app.cluster import ray_session
-from app.config import ConfigError, Settings
+from app.config import Settings
+from app.data.snapshot import Manifest, discover_classes, read_rows, select_snapshots, snapshot_uri
+from app.errors import ConfigError
 from app.fl.checkpoint import load_checkpoint
 from app.fl.config import MEAN_STRATEGIES, FederateConfig, FederateReport
 from app.fl.grid import RayGrid, pool_size, stamp_task_identity
@@ -40,7 +42,6 @@ from app.fl.server_app import (
 )
 from app.fl.task import labelled_rows, model_arrays, partition_sizes
 from app.selection import EventTimeSplit, promote_if_better
-from app.snapshot import Manifest, discover_classes, read_rows, select_snapshots, snapshot_uri
 
 __all__ = ["FederateConfig", "FederateReport", "central_test", "federate"]
 

@@ -7,7 +7,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from app.config import ConfigError
+from app.errors import ConfigError
 from app.fl.task import UPDATE_DTYPES
 from app.selection import Verdict
 from app.transform import AUGMENTATIONS

@@ -18,7 +18,7 @@ from flwr.app import ArrayRecord
 from torch import nn
 
 from app import model as core
-from app.snapshot import read_rows
+from app.data.snapshot import read_rows
 from app.transform import augment as augment_images
 from app.transform import encode_labels, normalize_pixels
 

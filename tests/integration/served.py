@@ -11,10 +11,11 @@ from pathlib import Path
 
 import requests
 
-from app import registry, synth
-from app.broker import free_port
+from app import registry
 from app.config import Settings
+from app.data import synth
 from app.model import build_model
+from app.net import free_port
 
 CLASSES = ["credential_prompt", "normal", "phishing_page"]
 CLIENTS = 8

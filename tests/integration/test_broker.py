@@ -8,7 +8,8 @@ import subprocess
 import sys
 import time
 
-from app.broker import EmbeddedBroker, free_port, recorded_broker
+from app.data.broker import EmbeddedBroker, recorded_broker
+from app.net import free_port
 
 from conftest import ROOT, child_env
 

@@ -13,8 +13,8 @@ import pytest
 import ray
 import requests
 
-from app import synth
-from app.broker import free_port
+from app.data import synth
+from app.net import free_port
 
 from conftest import ROOT, child_env
 

@@ -12,9 +12,9 @@ import time
 import pytest
 import requests
 
-from app import synth
-from app.broker import free_port
 from app.config import ServeConfig
+from app.data import synth
+from app.net import free_port
 from app.storage import s3_client
 
 
@@ -35,7 +35,7 @@ def _rows(bucket: str, prefix: str) -> list[dict]:
 def test_drift_reads_the_replicas_traffic_logs_from_s3(trained, s3_bucket):
     from ray import serve
 
-    from app.drift import DriftConfig, drift
+    from app.ops.drift import DriftConfig, drift
     from app.serve import deploy, wait_for_version
 
     local, snapshot, _, report, _ = trained

@@ -17,7 +17,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import GaussianPrivacyEvent
 
 from app import model as core
-from app.config import ConfigError
+from app.errors import ConfigError
 from app.fl import FederateConfig, federate
 from app.fl.grid import RayGrid, stamp_task_identity
 from app.fl.server_app import GaussianAccountant

@@ -18,12 +18,12 @@ import torch
 from kafka import KafkaConsumer, TopicPartition
 from PIL import Image
 
-from app import synth
 from app.config import IngestConfig, ProduceConfig
-from app.ingest import ingest
-from app.produce import produce
-from app.records import SCHEMA_VERSION, record_headers
-from app.snapshot import MANIFEST, list_manifests, snapshot_uri
+from app.data import synth
+from app.data.ingest import ingest
+from app.data.produce import produce
+from app.data.records import SCHEMA_VERSION, record_headers
+from app.data.snapshot import MANIFEST, list_manifests, snapshot_uri
 from app.transform import normalize_pixels, preprocess
 
 from conftest import ROOT, child_env, run_cli, settings_args
@@ -115,10 +115,10 @@ def test_produce_from_dir(settings, tmp_path):
 def test_ingest_is_exact_and_resumable(settings, ray_cluster, monkeypatch, caplog):
     import dataclasses
 
-    import app.ingest
+    import app.data.ingest
 
-    monkeypatch.setattr(app.ingest, "PROGRESS_INTERVAL_S", 0.2)  # the write takes seconds here
-    caplog.set_level(logging.INFO, logger="app.ingest")
+    monkeypatch.setattr(app.data.ingest, "PROGRESS_INTERVAL_S", 0.2)  # the write takes seconds here
+    caplog.set_level(logging.INFO, logger="app.data.ingest")
     settings = dataclasses.replace(settings, classes=synth.DEFAULT_CLASSES)
     valid = valid_records(60, seed=1)
     now = max(r[3] for r in valid)
@@ -199,7 +199,7 @@ def test_ingest_with_use_gpu_puts_the_preprocessing_actors_on_gpus(settings, ray
     import ray
     import ray.data
 
-    from app.preprocess import Preprocessor, preprocess_batches
+    from app.data.preprocess import Preprocessor, preprocess_batches
 
     coordinates = send(settings, valid_records(20, seed=4))
     report = ingest(settings, IngestConfig(use_gpu=True), settings.kafka_connection())
@@ -219,7 +219,7 @@ def test_ingest_with_use_gpu_puts_the_preprocessing_actors_on_gpus(settings, ray
 def test_one_writer_at_a_time_the_other_says_so_and_writes_nothing(settings, ray_cluster):
     import ray
 
-    from app.ingest import ingest_lease
+    from app.data.ingest import ingest_lease
 
     coordinates = send(settings, valid_records(40, seed=6))
     args = ["ingest", *settings_args(settings), "--ray-address", ray.get_runtime_context().gcs_address]
@@ -251,7 +251,7 @@ def test_one_writer_at_a_time_the_other_says_so_and_writes_nothing(settings, ray
 
 
 def test_a_snapshot_committed_meanwhile_over_the_same_offsets_aborts_the_commit(settings, ray_cluster):
-    from app.ingest import check_no_overlap
+    from app.data.ingest import check_no_overlap
 
     send(settings, valid_records(10, seed=8))
     first = ingest(settings, IngestConfig(), settings.kafka_connection())
@@ -267,7 +267,7 @@ def test_transaction_markers_and_aborted_records_are_skipped_offsets_not_a_failu
     end offset) and the records of aborted transactions."""
     from kafka import KafkaProducer
 
-    from app.kafka import ensure_topics
+    from app.data.kafka import ensure_topics
 
     ensure_topics(settings.kafka_connection(), settings.topic, settings.dlq_topic, settings.partitions)
     producer = KafkaProducer(

@@ -11,11 +11,11 @@ import uuid
 import pytest
 
 from app import registry
-from app.broker import free_port
 from app.config import ProduceConfig, Settings
-from app.produce import produce
-from app.rollout import wait_for_rollout
-from app.snapshot import list_manifests
+from app.data.produce import produce
+from app.data.snapshot import list_manifests
+from app.net import free_port
+from app.serve.rollout import wait_for_rollout
 
 from conftest import TEST_IMAGE_SIZE
 from ray_nodes import LocalRayCluster, submit, wait_for_job
@@ -68,7 +68,7 @@ def test_ingest_and_train_as_jobs_then_a_retraining_job(head_node, broker, tmp_p
     first = registry.resolve(settings.tracking_uri, settings.model_name, "champion")
     assert first == "1"
 
-    from app.drift import submit_retraining
+    from app.ops.drift import submit_retraining
 
     card = registry.load(settings.tracking_uri, settings.model_name, first).card
     job = submit_retraining(dataclasses.replace(settings, ray_address=head_node), card)

@@ -15,13 +15,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.broker import EmbeddedBroker, accepts, free_port
 from app.config import IngestConfig, ProduceConfig, Settings
-from app.ingest import ingest
-from app.kafka import MAX_MESSAGE_BYTES, partitions_of, probe_end_offsets
-from app.produce import produce
-from app.snapshot import list_manifests, snapshot_uri
-from app.watch import measure_lag
+from app.data.broker import EmbeddedBroker
+from app.data.ingest import ingest
+from app.data.kafka import MAX_MESSAGE_BYTES, partitions_of, probe_end_offsets
+from app.data.produce import produce
+from app.data.snapshot import list_manifests, snapshot_uri
+from app.data.watch import measure_lag
+from app.net import accepts, free_port
 
 from conftest import TEST_IMAGE_SIZE, make_tls_files, run_cli, settings_args
 

@@ -6,7 +6,7 @@ import uuid
 
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 
-from app.kafka import DLQ_HEADER_ROOM, MAX_MESSAGE_BYTES, KafkaConnection, ensure_topics
+from app.data.kafka import DLQ_HEADER_ROOM, MAX_MESSAGE_BYTES, KafkaConnection, ensure_topics
 
 
 def max_message_bytes(kafka: KafkaConnection, topic: str) -> int | None:

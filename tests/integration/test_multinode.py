@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import requests
 
-from app.broker import free_port
 from app.config import IngestConfig, ProduceConfig, Settings
-from app.ingest import ingest
-from app.produce import produce
-from app.rollout import wait_for_rollout
-from app.snapshot import data_file_uris, list_manifests
+from app.data.ingest import ingest
+from app.data.produce import produce
+from app.data.snapshot import data_file_uris, list_manifests
+from app.net import free_port
+from app.serve.rollout import wait_for_rollout
 
 from conftest import TEST_IMAGE_SIZE, run_cli, settings_args
 from ray_nodes import LocalRayCluster, submit, wait_for_job

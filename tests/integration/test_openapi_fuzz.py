@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from app.access import AccessConfig
-from app.broker import free_port
 from app.config import ServeConfig, Settings
+from app.net import free_port
+from app.serve.access import AccessConfig
 
 from served import register_untrained, token_file
 

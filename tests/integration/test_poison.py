@@ -16,11 +16,11 @@ import pyarrow.parquet as pq
 from kafka import KafkaConsumer, TopicPartition
 from PIL import Image
 
-from app import synth
 from app.config import IngestConfig
-from app.ingest import ingest
-from app.records import SCHEMA_VERSION, record_headers
-from app.snapshot import data_file_uris, read_manifest
+from app.data import synth
+from app.data.ingest import ingest
+from app.data.records import SCHEMA_VERSION, record_headers
+from app.data.snapshot import data_file_uris, read_manifest
 
 from conftest import TEST_IMAGE_SIZE
 

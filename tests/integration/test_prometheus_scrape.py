@@ -19,9 +19,9 @@ import pytest
 import requests
 import yaml
 
-from app.broker import free_port
 from app.config import ProduceConfig
-from app.produce import produce
+from app.data.produce import produce
+from app.net import free_port
 
 from conftest import ROOT, TEST_IMAGE_SIZE, settings_args
 from ray_nodes import LocalRayCluster

@@ -10,12 +10,12 @@ import json
 import pytest
 import requests
 
-from app import synth
-from app.broker import free_port
 from app.config import IngestConfig, ProduceConfig, ServeConfig, TrainConfig
-from app.ingest import ingest
-from app.produce import produce
-from app.snapshot import MANIFEST, list_manifests, read_rows, snapshot_uri
+from app.data import synth
+from app.data.ingest import ingest
+from app.data.produce import produce
+from app.data.snapshot import MANIFEST, list_manifests, read_rows, snapshot_uri
+from app.net import free_port
 from app.storage import s3_client
 
 from conftest import run_cli, settings_args
@@ -123,7 +123,7 @@ def test_a_corrupt_manifest_on_s3_is_quarantined_and_its_records_ingested_again(
 
 
 def test_the_lease_is_exclusive_on_s3_and_taken_over_only_after_it_expires(s3_bucket):
-    from app.lease import Lease, LeaseHeld, LeaseLost
+    from app.data.lease import Lease, LeaseHeld, LeaseLost
 
     root = f"s3://{s3_bucket}/argus/leases/ingest-t"
     first = Lease(root, ttl_s=2)

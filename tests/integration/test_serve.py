@@ -16,9 +16,10 @@ import requests
 import torch
 from PIL import Image
 
-from app import registry, synth
-from app.broker import free_port
+from app import registry
 from app.config import ServeConfig
+from app.data import synth
+from app.net import free_port
 from app.transform import preprocess
 
 
@@ -117,7 +118,7 @@ def test_healthz_model_and_docs(trained, endpoint):
 
 
 def test_drift_is_found_in_shifted_traffic_only(trained, endpoint):
-    from app.drift import DriftConfig, drift, recent_traffic
+    from app.ops.drift import DriftConfig, drift, recent_traffic
 
     settings, _, _, report, _ = trained
 

@@ -18,7 +18,7 @@ import pytest
 import requests
 from PIL import Image
 
-from app import synth
+from app.data import synth
 
 from conftest import run_cli
 from served import start, token_file
@@ -280,7 +280,7 @@ def test_images_are_capped_in_pixels_and_formats(guarded):
 
 
 def test_promote_waits_on_rollout_with_the_token_from_the_environment(guarded):
-    from app.rollout import RolloutIncomplete, wait_for_rollout
+    from app.serve.rollout import RolloutIncomplete, wait_for_rollout
 
     assert wait_for_rollout(guarded.url, guarded.version, 30, token=guarded.tokens["promote"]) == 1
     started = time.monotonic()

@@ -1,4 +1,4 @@
-"""Coordinated rollout over real HTTP on 127.0.0.1 (app/rollout.py): three replicas switch to a new
+"""Coordinated rollout over real HTTP on 127.0.0.1 (app/serve/rollout.py): three replicas switch to a new
 version together under traffic, a version that cannot load is never activated anywhere, and a
 killed replica's replacement serves the active version."""
 
@@ -13,9 +13,9 @@ import pytest
 import requests
 
 from app import registry
-from app.broker import free_port
 from app.config import ServeConfig
-from app.rollout import forget_deployment, record_deployment, wait_for_rollout
+from app.net import free_port
+from app.serve.rollout import forget_deployment, record_deployment, wait_for_rollout
 
 from conftest import run_cli, settings_args
 from served import CLIENTS, Traffic, sequential
@@ -193,8 +193,8 @@ def test_a_killed_replica_is_replaced_on_the_active_version(trained, fleet, unlo
 def test_a_restarted_coordinator_carries_on_from_what_replicas_report(trained, fleet):
     import ray
 
-    from app.rollout import NAMESPACE, coordinator_name
     from app.serve import APPLICATION
+    from app.serve.rollout import NAMESPACE, coordinator_name
 
     settings, _, _, _, _ = trained
     active = rollout_state(fleet)["active_version"]

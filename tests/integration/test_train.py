@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.snapshot import read_manifest
+from app.data.snapshot import read_manifest
 from app.transform import normalize_pixels
 
 
@@ -157,9 +157,9 @@ def test_feature_snapshot_trains_a_head_that_serves_images(settings, ray_cluster
 
     from app import registry
     from app.config import IngestConfig, ProduceConfig, TrainConfig
-    from app.ingest import ingest
-    from app.produce import produce
-    from app.snapshot import snapshot_uri
+    from app.data.ingest import ingest
+    from app.data.produce import produce
+    from app.data.snapshot import snapshot_uri
     from app.train import train
 
     produce(
@@ -187,8 +187,8 @@ def test_a_snapshot_keeping_sources_trains_at_another_size(settings, ray_cluster
     size trains from it without Kafka (`select_snapshots` refuses another size without them)."""
     from app import registry
     from app.config import IngestConfig, ProduceConfig, TrainConfig
-    from app.ingest import ingest
-    from app.produce import produce
+    from app.data.ingest import ingest
+    from app.data.produce import produce
     from app.train import train
 
     produce(

@@ -21,14 +21,14 @@ from datetime import datetime
 
 import pytest
 
-from app import synth
-from app.compact import folder_owner
 from app.config import IngestConfig
-from app.ingest import ingest
-from app.kafka import ensure_topics
-from app.records import record_headers
-from app.snapshot import list_manifests, live_manifests, read_rows, select_snapshots, snapshot_uri
-from app.watch import WatchConfig, measure_lag, watch
+from app.data import synth
+from app.data.compact import folder_owner
+from app.data.ingest import ingest
+from app.data.kafka import ensure_topics
+from app.data.records import record_headers
+from app.data.snapshot import list_manifests, live_manifests, read_rows, select_snapshots, snapshot_uri
+from app.data.watch import WatchConfig, measure_lag, watch
 
 from conftest import ROOT, MetricsWatcher, child_env, scrape, settings_args
 
@@ -91,7 +91,7 @@ class Watcher:
 
 
 def test_lag_alert_fires_once_after_for_s_clears_when_lag_recovers(settings, ray_cluster, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="app.stream")
+    caplog.set_level(logging.INFO, logger="app.data.stream")
     pause = tmp_path / "pause"
     pause.touch()
     send(settings, 24, seed=1)
@@ -400,8 +400,8 @@ def test_two_watchers_share_partitions_and_a_killed_ones_move_to_the_other_each_
 
 
 def test_a_part_whose_partition_lease_was_taken_over_is_not_committed(settings, ray_cluster):
-    from app.lease import Lease, SharedLease
-    from app.stream import Part, Restart, Stream
+    from app.data.lease import Lease, SharedLease
+    from app.data.stream import Part, Restart, Stream
 
     hold = SharedLease(settings.uri("leases", f"ingest-{settings.topic}"))
     with hold.held():

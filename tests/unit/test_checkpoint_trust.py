@@ -10,7 +10,7 @@ import torch
 from ray.train import Checkpoint
 
 from app.model import build_model
-from app.train import CHECKPOINT_FILE, _load_checkpoint
+from app.train.trainer import CHECKPOINT_FILE, _load_checkpoint
 
 
 class _WritesAFile:

@@ -4,7 +4,7 @@ The KubeRay manifests are validated against the KubeRay v1 CRD schemas, read fro
 $ARGUS_KUBERAY_SCHEMAS or ../shared/schemas/kuberay/ (skipped when neither exists).
 Validation is strict: an unknown field, which the API server would silently prune, fails
 too. The Serve config inside the RayService is checked with Ray Serve's own schema and
-against app/serve.py; cluster.yaml with the cluster launcher's own validation. Every Ray
+against app/serve/replica.py; cluster.yaml with the cluster launcher's own validation. Every Ray
 version in these files must be the installed one. Offline and fast:
 
     python -m pytest tests/test_deploy.py -q
@@ -399,16 +399,16 @@ def test_broken_serve_config_fails(mutate):
 def test_serve_config_matches_app_code(monkeypatch):
     source = REPO / "app" / "serve.py"
     if not source.exists():
-        pytest.skip("app/serve.py not written yet")
+        pytest.skip("app/serve/replica.py not written yet")
     module, attr = SERVE_IMPORT_PATH.split(":")
     monkeypatch.syspath_prepend(str(REPO))
     assert importlib.util.find_spec(module) is not None
     tree = ast.parse(source.read_text())
     builders = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == attr]
-    assert builders, f"app/serve.py defines no top-level {attr}()"
+    assert builders, f"app/serve/replica.py defines no top-level {attr}()"
     names = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
     names |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
-    assert SERVE_DEPLOYMENT in names, f"app/serve.py has no deployment named {SERVE_DEPLOYMENT}"
+    assert SERVE_DEPLOYMENT in names, f"app/serve/replica.py has no deployment named {SERVE_DEPLOYMENT}"
 
 
 # --- cluster.yaml (Ray cluster launcher) --------------------------------------------------

@@ -1,5 +1,5 @@
-"""Drift detection (app/drift.py) without Ray: the MMD two-sample test, the traffic-log reader's
-distrust of what it reads, and the replicas' log writer (app/serve.py's TrafficLog) on local disk."""
+"""Drift detection (app/ops/drift.py) without Ray: the MMD two-sample test, the traffic-log reader's
+distrust of what it reads, and the replicas' log writer (app/serve/replica.py's TrafficLog) on local disk."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from app.config import Settings
-from app.drift import MAX_LINE_BYTES, STATISTICS, DriftReport, OutputTest, mmd_test, recent_traffic
+from app.ops.drift import MAX_LINE_BYTES, STATISTICS, DriftReport, OutputTest, mmd_test, recent_traffic
 
 CLASSES = ["a", "b", "c"]
 
@@ -139,8 +139,8 @@ def test_the_traffic_log_writes_immutable_objects_the_reader_reads(tmp_path, mon
 
 @pytest.mark.parametrize("p_value", [0.0, 1.0, -0.1])
 def test_an_output_p_value_outside_0_1_is_a_configuration_error(p_value):
-    from app.config import ConfigError
-    from app.drift import DriftConfig
+    from app.errors import ConfigError
+    from app.ops.drift import DriftConfig
 
     with pytest.raises(ConfigError, match="--output-p-value"):
         DriftConfig(output_p_value=p_value)

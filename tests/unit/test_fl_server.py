@@ -14,7 +14,7 @@ from flwr.serverapp import GaussianPrivacyEvent
 from torch import nn
 
 from app import model as core
-from app.config import ConfigError
+from app.errors import ConfigError
 from app.fl import FederateConfig
 from app.fl.grid import assign_message_id, stamp_task_identity
 from app.fl.server_app import RDP_ORDERS, GaussianAccountant, build_strategy

@@ -16,14 +16,15 @@ from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY
 
 from app import model as core
 from app import storage
-from app.config import ConfigError, Settings
+from app.config import Settings
+from app.data.snapshot import DataFile, WriteStats, build_manifest, commit, snapshot_uri
+from app.errors import ConfigError
 from app.fl import FederateConfig, central_test
 from app.fl import client_app as client_module
 from app.fl.grid import RoundTraffic, assign_message_id, stamp_task_identity
 from app.fl.server_app import Federation, build_server_app, build_strategy
 from app.fl.task import load_client_data, model_arrays
 from app.selection import TEST, VALIDATION, EventTimeSplit
-from app.snapshot import DataFile, WriteStats, build_manifest, commit, snapshot_uri
 
 stamp_task_identity()  # as a running ServerApp has
 

@@ -1,4 +1,4 @@
-"""HTTP access (app/access.py): token files, constant-time matching, the token bucket, the loopback
+"""HTTP access (app/serve/access.py): token files, constant-time matching, the token bucket, the loopback
 rule at the CLI's edge, and the RayService reading its tokens from a Secret. No Ray."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.access import AccessConfig, RateLimiter, TokenCheck, bearer_token, is_loopback, read_token_file
-from app.config import ConfigError
+from app.errors import ConfigError
+from app.serve.access import AccessConfig, RateLimiter, TokenCheck, bearer_token, is_loopback, read_token_file
 
 from conftest import ROOT, run_cli
 

@@ -8,15 +8,16 @@ import pickle
 import pytest
 from kafka import KafkaAdminClient, KafkaProducer
 
-from app.config import ConfigError, Settings, env_defaults
-from app.kafka import KafkaConnection
-from app.kafka_config import (
+from app.config import Settings, env_defaults
+from app.data.kafka import KafkaConnection
+from app.data.kafka_config import (
     ARGUS_OWNED,
     KAFKA_PYTHON_ARGS,
     LIBRDKAFKA_ONLY,
     kafka_python_options,
     load_kafka_config,
 )
+from app.errors import ConfigError
 
 from conftest import make_tls_files, run_cli
 
@@ -177,7 +178,7 @@ def test_argus_owned_properties_cover_what_consumers_and_producers_set():
 
 
 def test_the_retraining_job_keeps_the_kafka_config(tmp_path, tls):
-    from app.drift import retraining_entrypoint
+    from app.ops.drift import retraining_entrypoint
     from app.registry import ModelCard
 
     path = write(tmp_path, f"security.protocol=SSL\nssl.ca.location={tls['ca']}\n")

@@ -1,4 +1,4 @@
-"""CONTRACT.md §1 headers → raw-row fields (app.records.header_fields): every header a producer can
+"""CONTRACT.md §1 headers → raw-row fields (app.data.records.header_fields): every header a producer can
 send either parses or becomes the record's `header_error` (a dead letter), never an exception, and
 the row's event time always fits int64 and a `datetime`. No broker."""
 
@@ -9,9 +9,9 @@ from datetime import UTC, datetime, timedelta
 import pyarrow as pa
 import pytest
 
-from app.kafka import RAW_SCHEMA
-from app.records import MAX_EVENT_TIME_MS, header_fields, record_headers
-from app.snapshot import event_date
+from app.data.kafka import RAW_SCHEMA
+from app.data.records import MAX_EVENT_TIME_MS, header_fields, record_headers
+from app.data.snapshot import event_date
 
 NOW = 1_700_000_000_000
 

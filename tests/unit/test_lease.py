@@ -1,4 +1,4 @@
-"""The one-writer lease (app.lease) on local disk: exclusive, renewed, expired by time or by the
+"""The one-writer lease (app.data.lease) on local disk: exclusive, renewed, expired by time or by the
 holder's death, and lost to a takeover. The same code runs on S3 (tests/integration/test_s3.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from app.lease import Lease, LeaseHeld, LeaseLost, SharedLease
+from app.data.lease import Lease, LeaseHeld, LeaseLost, SharedLease
 
 from conftest import ROOT
 
@@ -59,7 +59,7 @@ def test_an_expired_holder_elsewhere_loses_the_lease_to_the_next_writer(tmp_path
 
 def test_a_holder_killed_on_this_host_is_expired_at_once(tmp_path):
     code = (
-        "import sys, time; from app.lease import Lease; "
+        "import sys, time; from app.data.lease import Lease; "
         f"Lease({str(tmp_path / 'lease')!r}, ttl_s=600).acquire(); print('held', flush=True); time.sleep(600)"
     )
     child = subprocess.Popen(

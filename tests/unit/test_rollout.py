@@ -1,12 +1,12 @@
-"""The rollout rules (app/rollout.py) without Ray: when an activation is scheduled, what a new
+"""The rollout rules (app/serve/rollout.py) without Ray: when an activation is scheduled, what a new
 coordinator adopts, and when promote may call a rollout complete."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.config import ConfigError
-from app.rollout import (
+from app.errors import ConfigError
+from app.serve.rollout import (
     Plan,
     PromoteConfig,
     ReplicaReport,

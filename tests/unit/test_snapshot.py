@@ -1,4 +1,4 @@
-"""The storage contract (app.snapshot) on local disk: manifests, the proof that every offset landed
+"""The storage contract (app.data.snapshot) on local disk: manifests, the proof that every offset landed
 once, the ledger, and snapshot selection. No broker, no Ray."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from app import snapshot
 from app.config import Settings
-from app.snapshot import (
+from app.data import snapshot
+from app.data.snapshot import (
     MANIFEST,
     CorruptSnapshot,
     DataFile,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from app.compact import PART_SUFFIX, folder_owner, merged_offsets, new_part_id, plan_groups
-from app.snapshot import Manifest, PartitionRange, live_manifests, new_snapshot_id
-from app.stream import AlertState, Batch
+from app.data.compact import PART_SUFFIX, folder_owner, merged_offsets, new_part_id, plan_groups
+from app.data.snapshot import Manifest, PartitionRange, live_manifests, new_snapshot_id
+from app.data.stream import AlertState, Batch
 
 
 def test_alert_fires_once_after_for_s_and_clears_when_lag_recovers():

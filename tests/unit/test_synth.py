@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.scenes import DEFAULT_CLASSES, render
-from app.synth import SyntheticRecord, generate
+from app.data.scenes import DEFAULT_CLASSES, render
+from app.data.synth import SyntheticRecord, generate
 
 NOW = 1_700_000_000_000
 

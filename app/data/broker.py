@@ -13,30 +13,16 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.net import accepts, free_port
+
 log = logging.getLogger(__name__)
 
 STATE_FILE = "broker.json"
-
-
-def free_port() -> int:
-    # Tansu advertises its listener port verbatim, so it must be bound to a real port, never 0.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def accepts(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 def _alive(pid: int) -> bool:

@@ -4,13 +4,13 @@
     serve run app.serve:build_app mlflow_uri=...  # the same application through Serve's own CLI
 
 Each replica polls the alias (default `champion`) and *prepares* its version, loaded beside the one
-it serves; `app/rollout.py`'s coordinator activates a version on every replica at once, at a wall
+it serves; `app/serve/rollout.py`'s coordinator activates a version on every replica at once, at a wall
 time every replica knows beforehand, so a rollout drops no request and no client sees new → old.
 A version that does not load is not activated anywhere: replicas keep serving the old one and say
 why (/rollout). Every response names its replica (`X-Argus-Replica`). Requests share the
 training transform and are batched with `@serve.batch`. Bad input is a JSON 4xx and never reaches
 the model, and every client reads it: the rest of a body is drained before the answer (`BodyGuard`).
-With tokens (`app/access.py`) everything but /healthz and /openapi.json needs `Authorization: Bearer`.
+With tokens (`app/serve/access.py`) everything but /healthz and /openapi.json needs `Authorization: Bearer`.
 
 No `from __future__ import annotations` here: FastAPI must resolve the route annotations
 (`Request`) on the methods Serve rewrites into class-based views.
@@ -36,9 +36,10 @@ from pydantic import BaseModel
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app import access, metrics, registry, rollout
+from app import metrics, registry
 from app.config import DEFAULT_MODEL_NAME
 from app.model import local_device
+from app.serve import access, rollout
 from app.transform import IMAGE_FORMATS, BadImage, decode_image, image_statistics, normalize
 
 log = logging.getLogger(__name__)

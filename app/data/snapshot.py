@@ -190,7 +190,7 @@ class Manifest:
     source: bool = False
     """Whether each row keeps its encoded image (`source`), from which any image size can be cut."""
     supersedes: list[str] = field(default_factory=list)
-    """Ids of the parts a compacted snapshot replaces (`app.compact`); readers skip those."""
+    """Ids of the parts a compacted snapshot replaces (`app.data.compact`); readers skip those."""
     format: str = FORMAT
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Synthetic device traffic, deterministic from a seed: screenshots drawn by `app.scenes`, encoded
+"""Synthetic device traffic, deterministic from a seed: screenshots drawn by `app.data.scenes`, encoded
 as PNG, JPEG or WebP, from non-IID users with 1-3 devices each, with event-time jitter, late
 arrivals and undecodable values. `python -m app produce --synthetic N` publishes its records.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from app.scenes import DEFAULT_CLASSES, MIN_SIZE, render
+from app.data.scenes import DEFAULT_CLASSES, MIN_SIZE, render
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 _STEP_MS = 1_000  # nominal gap between consecutive records' event times

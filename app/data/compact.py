@@ -32,10 +32,10 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from app import metrics, storage
-from app import snapshot as store
 from app.config import Settings
-from app.ingest import _fault
-from app.lease import Lease, LeaseHeld, LeaseLost, SharedLease
+from app.data import snapshot as store
+from app.data.ingest import _fault
+from app.data.lease import Lease, LeaseHeld, LeaseLost, SharedLease
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Ingest's write side: a Ray Data sink whose write tasks put good rows into Parquet files under the
 snapshot's folder (recording each file's size and SHA-256 for the manifest) and publish dead letters,
-and return the accounting the manifest's proof is built from (`app.snapshot.WriteStats`).
+and return the accounting the manifest's proof is built from (`app.data.snapshot.WriteStats`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import pyarrow.parquet as pq
 from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
-from app import kafka, storage
-from app import snapshot as store
-from app.records import record_headers
+from app import storage
+from app.data import kafka
+from app.data import snapshot as store
+from app.data.records import record_headers
 
 
 class SnapshotSink(Datasink):

@@ -39,14 +39,15 @@ from pathlib import Path
 import pyarrow as pa
 import ray
 
-from app import kafka, metrics
-from app import snapshot as store
-from app.compact import new_part_id, remove_abandoned
+from app import metrics
 from app.config import IngestConfig, Settings
-from app.ingest import _fault, pending_ranges, report_lost
-from app.lease import Lease, LeaseHeld, LeaseLost, SharedLease
-from app.preprocess import PREPROCESS_ACTOR_CPUS, Preprocessor
-from app.sink import SinkTarget, write_snapshot_blocks
+from app.data import kafka
+from app.data import snapshot as store
+from app.data.compact import new_part_id, remove_abandoned
+from app.data.ingest import _fault, pending_ranges, report_lost
+from app.data.lease import Lease, LeaseHeld, LeaseLost, SharedLease
+from app.data.preprocess import PREPROCESS_ACTOR_CPUS, Preprocessor
+from app.data.sink import SinkTarget, write_snapshot_blocks
 
 log = logging.getLogger(__name__)
 

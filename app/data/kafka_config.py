@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from app.config import ConfigError
+from app.errors import ConfigError
 
 
 def _upper(choices: tuple[str, ...]) -> Callable[[str], str]:

@@ -33,8 +33,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from app.access import CLIENT_TOKEN_ENV
-from app.config import ConfigError
+from app.errors import ConfigError
+from app.serve.access import CLIENT_TOKEN_ENV
 
 log = logging.getLogger(__name__)
 
@@ -391,7 +391,7 @@ def recorded_deployment(settings) -> str | None:
     """The URL of a live deployment `serve` recorded under the storage dir, if any."""
     from urllib.parse import urlsplit
 
-    from app.broker import accepts
+    from app.net import accepts
 
     path = _record_path(settings)
     try:

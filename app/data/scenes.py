@@ -3,7 +3,7 @@
 Each class has a recognisable structure (a browser login page, a red-banded alert dialog, a dark
 full-screen ransom note, ...) drawn over shared desktop themes with random positions, distractors
 and pixel noise, so that a small CNN learns the classes at 32-64 px but not trivially. Class names
-outside DEFAULT_CLASSES are hashed onto a template with their own colour. `app.synth` turns these
+outside DEFAULT_CLASSES are hashed onto a template with their own colour. `app.data.synth` turns these
 images into device traffic.
 """
 

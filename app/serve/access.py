@@ -6,7 +6,8 @@ A token file holds one token, or `sha256:<hex>` of one, per line (blank lines an
 skipped). Only SHA-256 digests leave the file: they are what replicas keep and compare, in constant
 time, so neither the file nor a replica's memory needs to hold a usable token. Rate limits are a
 token bucket per token, kept by each replica (N replicas allow up to N times the rate in total).
-No Ray, no torch here: `app/serve.py` wires it into the replicas; tests/unit/test_http_auth.py tests it.
+No Ray, no torch here: `app/serve/replica.py` wires it into the replicas;
+tests/unit/test_http_auth.py tests it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from app.config import ConfigError
+from app.errors import ConfigError
 
 TOKENS_ENV = "ARGUS_API_TOKENS"
 """The server side: path of the token file `serve` reads when `--api-tokens` is not given."""

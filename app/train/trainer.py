@@ -32,8 +32,8 @@ from app import metrics as dashboard
 from app import model as core
 from app import registry
 from app.config import Settings, TrainConfig
+from app.data.snapshot import Manifest, data_file_uris, discover_classes, select_snapshots
 from app.selection import TEST, TRAIN, VALIDATION, EventTimeSplit, Verdict, promote_if_better
-from app.snapshot import Manifest, data_file_uris, discover_classes, select_snapshots
 from app.transform import augment, decode_pixels, encode_labels, normalize_pixels, resize_pixels
 
 if TYPE_CHECKING:

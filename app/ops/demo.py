@@ -20,9 +20,9 @@ import time
 
 import numpy as np
 
-from app.broker import EmbeddedBroker
 from app.cluster import ray_session
 from app.config import IngestConfig, ProduceConfig, ServeConfig, Settings, TrainConfig
+from app.data.broker import EmbeddedBroker
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,10 @@ def run_demo(settings: Settings, args) -> int:
     """Run every stage; print what each did and how long it took."""
     import requests
 
-    from app import synth
+    from app.data import synth
+    from app.data.ingest import ingest
+    from app.data.produce import produce
     from app.fl import FederateConfig, federate
-    from app.ingest import ingest
-    from app.produce import produce
     from app.serve import deploy, wait_for_version
     from app.train import train
 

@@ -2,11 +2,11 @@
 
     python -m app watch --max-batch-delay-s 1 --lag-alert-s 5 --lag-alert-for-s 1
 
-One long-lived pipeline (`app.stream`): a consumer kept open in the consumer group, a pool of
+One long-lived pipeline (`app.data.stream`): a consumer kept open in the consumer group, a pool of
 preprocessing actors kept warm, micro-batches cut by size or time and each committed as a small part
 (a snapshot with its own manifest) under the leases of its partitions, so offsets advance only with
 a durable commit; and, beside it, compaction of closed windows of parts into one snapshot each
-(`app.compact`, by whichever watch holds the compaction lease). Several watches in one `--group`
+(`app.data.compact`, by whichever watch holds the compaction lease). Several watches in one `--group`
 share the topic's partitions; a bulk `ingest` waits while any of them runs, and they for it. While
 `--pause-file` exists nothing is cut or committed (lag keeps being measured): an operator's brake,
 and how the alert is tested.
@@ -19,9 +19,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from app.config import ConfigError, IngestConfig, Settings
-from app.kafka import KafkaConnection, partitions_of, probe_end_offsets
-from app.snapshot import ledger_offsets, list_manifests
+from app.config import IngestConfig, Settings
+from app.data.kafka import KafkaConnection, partitions_of, probe_end_offsets
+from app.data.snapshot import ledger_offsets, list_manifests
+from app.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +123,11 @@ def watch(
     """Ingest continuously until `stop` is set or `max_ticks` parts committed; return the number
     of lag alerts fired. Waits while a bulk `ingest` holds the topic's lease; starts its pipeline
     over from the ledger when it lost what it held (`Restart`)."""
-    from app import kafka as kafka_clients
-    from app.compact import Compactor
-    from app.ingest import ingest_lease
-    from app.lease import LeaseHeld, SharedLease
-    from app.stream import Restart, Stream
+    from app.data import kafka as kafka_clients
+    from app.data.compact import Compactor
+    from app.data.ingest import ingest_lease
+    from app.data.lease import LeaseHeld, SharedLease
+    from app.data.stream import Restart, Stream
 
     stop = stop or threading.Event()
     kafka_clients.ensure_topics(

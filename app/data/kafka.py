@@ -1,6 +1,6 @@
 """Kafka clients, as every stage creates them: admin and topics, producer, consumers, the end
-probe and the exact range reader of CONTRACT.md §1 records (their headers: `app.records`; the
-`--kafka-config` properties they apply: `app.kafka_config`).
+probe and the exact range reader of CONTRACT.md §1 records (their headers: `app.data.records`; the
+`--kafka-config` properties they apply: `app.data.kafka_config`).
 
 kafka-python produces and administers; confluent-kafka (librdkafka) reads, as Ray Data does. Every
 client comes from a `KafkaConnection` (bootstrap servers + the file's properties), which travels to
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from app.config import ConfigError
-from app.kafka_config import PRODUCER_ONLY, kafka_python_options
-from app.records import header_fields, message_headers
+from app.data.kafka_config import PRODUCER_ONLY, kafka_python_options
+from app.data.records import header_fields, message_headers
+from app.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

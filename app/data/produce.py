@@ -1,6 +1,6 @@
 """Publish behaviour images to Kafka as CONTRACT.md §1 records, batched like a device gateway.
 
-python -m app produce --synthetic 2000        # procedural images (app.synth), non-IID users
+python -m app produce --synthetic 2000        # procedural images (app.data.synth), non-IID users
 python -m app produce --from-dir DIR          # DIR/<label>/<image files>
 """
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.config import ProduceConfig, Settings
-from app.kafka import KafkaConnection, ensure_topics
-from app.records import record_headers
+from app.data.kafka import KafkaConnection, ensure_topics
+from app.data.records import record_headers
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp"}
 
@@ -56,7 +56,7 @@ def produce(settings: Settings, cfg: ProduceConfig, kafka: KafkaConnection) -> P
 
 
 def _synthetic_records(settings: Settings, cfg: ProduceConfig) -> Iterator[tuple[str, bytes, list]]:
-    from app import synth
+    from app.data import synth
 
     classes = settings.classes or synth.DEFAULT_CLASSES
     for record in synth.generate(

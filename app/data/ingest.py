@@ -29,12 +29,13 @@ from ray.data import DataContext
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from app import kafka, metrics, storage
-from app import snapshot as store
+from app import metrics, storage
 from app.config import IngestConfig, Settings
-from app.lease import Lease, LeaseHeld
-from app.preprocess import preprocess_batches
-from app.sink import SinkTarget, SnapshotSink
+from app.data import kafka
+from app.data import snapshot as store
+from app.data.lease import Lease, LeaseHeld
+from app.data.preprocess import preprocess_batches
+from app.data.sink import SinkTarget, SnapshotSink
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from app import metrics, registry
-from app.config import ConfigError, Settings
+from app.config import Settings
+from app.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -208,8 +209,8 @@ def reference_data(settings: Settings, loaded: registry.LoadedModel, seed: int =
     import ray.data
     import torch
 
+    from app.data.snapshot import data_file_uris, read_manifest
     from app.selection import EventTimeSplit
-    from app.snapshot import data_file_uris, read_manifest
     from app.transform import normalize_pixels
 
     card = loaded.card
