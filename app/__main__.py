@@ -1,15 +1,16 @@
 """The CLI: `python -m app <command>` (also `argus <command>`), CONTRACT.md §3.
 
-`COMMANDS` is the whole CLI: each command's flags and a handler that builds the typed
-configuration (exit 2 with one line when it is bad) and calls one function of its stage module.
-A failed run exits 1 with its cause. Stage modules are imported by their handlers, so `--help` and
-bad arguments answer without importing Ray or torch.
+`COMMANDS` is the whole CLI: each command's flags, the typed configs they fill (`configure`
+builds and validates them: exit 2 with one line when one is bad) and a handler that calls one
+function of its stage module. A failed run exits 1 with its cause. Stage modules (and their
+configs) are imported only when a command runs, so `--help` answers without importing Ray or torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import logging
 import os
 import signal
@@ -20,16 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from app import options
-from app.config import (
-    IngestConfig,
-    ProduceConfig,
-    ServeConfig,
-    Settings,
-    TrainConfig,
-    build_settings,
-    check_reachable,
-    from_namespace,
-)
+from app.config import Settings, build_settings, check_reachable, from_namespace
 from app.errors import ConfigError
 
 log = logging.getLogger("argus")
@@ -43,7 +35,7 @@ def _stop_event() -> threading.Event:
     return stop
 
 
-# ---------------------------------------------------------------- handlers: config → one stage call
+# ---------------------------------------------------------------- handlers: configs → one stage call
 
 
 def _demo(settings: Settings, args) -> int:
@@ -59,34 +51,31 @@ def _broker(settings: Settings, args) -> int:
     return broker.run_foreground(settings.local_storage_path, args.port)
 
 
-def _produce(settings: Settings, args) -> int:
+def _produce(settings: Settings, args, cfg) -> int:
     from app.data.broker import kafka_endpoint
     from app.data.produce import produce
 
-    cfg = from_namespace(ProduceConfig, args)
     with kafka_endpoint(settings) as kafka:
         print(produce(settings, cfg, kafka))
     return 0
 
 
-def _ingest(settings: Settings, args) -> int:
+def _ingest(settings: Settings, args, cfg) -> int:
     from app.cluster import ray_session, require_local_gpu
     from app.data.broker import kafka_endpoint
     from app.data.ingest import ingest
 
-    cfg = from_namespace(IngestConfig, args)
     require_local_gpu(settings, cfg.use_gpu)
     with kafka_endpoint(settings) as kafka, ray_session(settings):
         print(ingest(settings, cfg, kafka))
     return 0
 
 
-def _watch(settings: Settings, args) -> int:
+def _watch(settings: Settings, args, cfg, ingest_cfg) -> int:
     from app.cluster import ray_session, require_local_gpu
     from app.data.broker import kafka_endpoint
-    from app.data.watch import WatchConfig, watch
+    from app.data.watch import watch
 
-    cfg, ingest_cfg = from_namespace(WatchConfig, args), from_namespace(IngestConfig, args)
     require_local_gpu(settings, ingest_cfg.use_gpu)
     stop = _stop_event()
     with kafka_endpoint(settings) as kafka, ray_session(settings):
@@ -95,11 +84,10 @@ def _watch(settings: Settings, args) -> int:
     return 0
 
 
-def _train(settings: Settings, args) -> int:
+def _train(settings: Settings, args, cfg) -> int:
     from app.cluster import ray_session, require_local_gpu
     from app.train import train
 
-    cfg = from_namespace(TrainConfig, args)
     require_local_gpu(settings, cfg.use_gpu)
     if cfg.weights:  # a file that does not fit the backbone fails here, in one line, not in the workers
         from app.model import build_model
@@ -118,21 +106,20 @@ def _train(settings: Settings, args) -> int:
     return 0
 
 
-def _federate(settings: Settings, args) -> int:
-    from app.fl import FederateConfig, federate
+def _federate(settings: Settings, args, cfg) -> int:
+    from app.fl import federate
 
-    print(federate(settings, from_namespace(FederateConfig, args)))
+    print(federate(settings, cfg))
     return 0
 
 
-def _serve(settings: Settings, args) -> int:
+def _serve(settings: Settings, args, cfg, policy) -> int:
     from app import serve
     from app.cluster import ray_session
-    from app.serve.access import TOKENS_ENV, AccessConfig
+    from app.serve.access import TOKENS_ENV
 
-    cfg = from_namespace(ServeConfig, args)
-    from_env = not args.api_tokens and os.environ.get(TOKENS_ENV)
-    policy = from_namespace(AccessConfig, args, **({"api_tokens": from_env} if from_env else {}))
+    if not policy.api_tokens and os.environ.get(TOKENS_ENV):  # --api-tokens wins over the environment
+        policy = dataclasses.replace(policy, api_tokens=os.environ[TOKENS_ENV])
     policy.check_host(cfg.http_host)  # before Ray starts: an open API off loopback is a bad argument
     if cfg.detach:
         if not settings.ray_address:
@@ -140,24 +127,23 @@ def _serve(settings: Settings, args) -> int:
         with ray_session(settings):
             print(f"deployed on {serve.deploy_detached(settings, cfg, policy)}")
         return 0
-    stop = _stop_event()
     with ray_session(settings):
-        serve.serve_until(settings, cfg, stop, policy)
+        # Handlers set after ray.init: Ray's own SIGTERM handler would abort the process (exit -6).
+        serve.serve_until(settings, cfg, _stop_event(), policy)
     return 0
 
 
-def _promote(settings: Settings, args) -> int:
-    from app.serve.rollout import PromoteConfig, promote
+def _promote(settings: Settings, args, cfg) -> int:
+    from app.serve.rollout import promote
 
-    print(promote(settings, from_namespace(PromoteConfig, args)))
+    print(promote(settings, cfg))
     return 0
 
 
-def _drift(settings: Settings, args) -> int:
+def _drift(settings: Settings, args, cfg) -> int:
     from app.cluster import ray_session
-    from app.ops.drift import DriftConfig, drift
+    from app.ops.drift import drift
 
-    cfg = from_namespace(DriftConfig, args)
     # A dashboard (http://) address is for job submission; the statistics run on a local Ray.
     local = (
         dataclasses.replace(settings, ray_address=None)
@@ -172,8 +158,11 @@ def _drift(settings: Settings, args) -> int:
 @dataclass(frozen=True)
 class Command:
     help: str
-    handler: Callable[[Settings, argparse.Namespace], int]
+    handler: Callable[..., int]
+    """Called with the settings, the parsed flags and one instance of each of `configs`."""
     add_options: Callable[[argparse.ArgumentParser], None] | None = None
+    configs: tuple[str, ...] = ()
+    """The typed configs its flags fill, as `module:Class` (imported when the command runs)."""
     needs_kafka: bool = False
     """Fail at the edge (exit 2) when configured bootstrap servers do not answer."""
 
@@ -190,38 +179,55 @@ COMMANDS = {
         "run the embedded Kafka-compatible broker in the foreground", _broker, options.add_broker
     ),
     "produce": Command(
-        "publish records: --synthetic N or --from-dir DIR", _produce, options.add_produce, needs_kafka=True
+        "publish records: --synthetic N or --from-dir DIR",
+        _produce,
+        options.add_produce,
+        ("app.config:ProduceConfig",),
+        needs_kafka=True,
     ),
     "ingest": Command(
         "Kafka → Ray Data preprocessing → a new snapshot (offsets committed after it is durable)",
         _ingest,
         options.add_ingest,
+        ("app.config:IngestConfig",),
         needs_kafka=True,
     ),
     "train": Command(
-        "Ray Train on snapshots → checkpoints → a new registered model version", _train, options.add_train
+        "Ray Train on snapshots → checkpoints → a new registered model version",
+        _train,
+        options.add_train,
+        ("app.config:TrainConfig",),
     ),
     "federate": Command(
         "federated rounds with clients as Ray actors → a new registered version",
         _federate,
         options.add_federate,
+        ("app.fl.config:FederateConfig",),
     ),
-    "serve": Command("deploy the Ray Serve application on the model alias", _serve, options.add_serve),
+    "serve": Command(
+        "deploy the Ray Serve application on the model alias",
+        _serve,
+        options.add_serve,
+        ("app.config:ServeConfig", "app.serve.access:AccessConfig"),
+    ),
     "promote": Command(
         "point the alias at VERSION; waits until every replica of a running deployment serves it",
         _promote,
         options.add_promote,
+        ("app.serve.rollout:PromoteConfig",),
     ),
     "watch": Command(
         "keep ingesting in micro-batches; alert when end-to-end lag exceeds --lag-alert-s",
         _watch,
         options.add_watch,
+        ("app.data.watch:WatchConfig", "app.config:IngestConfig"),
         needs_kafka=True,
     ),
     "drift": Command(
         "compare served traffic with the training snapshot; --retrain submits a job",
         _drift,
         options.add_drift,
+        ("app.ops.drift:DriftConfig",),
     ),
 }
 
@@ -269,13 +275,23 @@ def _configure_logging(verbose: bool) -> None:
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # Ray colours its prefixes even in a pipe
 
 
+def configure(args: argparse.Namespace) -> tuple[Settings, list]:
+    """The settings (environment, then flags) and the command's typed configs (flags over their
+    defaults), each validated as it is built: a bad value stops here with a ConfigError."""
+    settings, configs = build_settings(args), []
+    for path in COMMANDS[args.command].configs:
+        module, name = path.split(":")
+        configs.append(from_namespace(getattr(importlib.import_module(module), name), args))
+    return settings, configs
+
+
 def run(args: argparse.Namespace) -> int:
     command = COMMANDS[args.command]
-    settings = build_settings(args)
+    settings, configs = configure(args)
     if settings.bootstrap_servers and command.needs_kafka:
         check_reachable(settings.bootstrap_servers)
         settings.kafka_connection().check_tls()
-    return command.handler(settings, args)
+    return command.handler(settings, args, *configs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,8 +45,9 @@ def apply_serve_env() -> None:
 
 
 def joins_cluster(settings) -> bool:
-    """Whether `ray_session` joins a running cluster (`--ray-address`, or inside `ray job submit`)
-    rather than starting a local Ray from this machine's resources."""
+    """Whether `ray_session` joins a running cluster rather than starting a local Ray from this
+    machine's resources: `--ray-address` or RAY_ADDRESS (which `ray job submit` sets for its driver
+    to the job's cluster), or a process Ray started (its workers carry RAY_JOB_ID)."""
     return bool(settings.ray_address or os.environ.get("RAY_JOB_ID"))
 
 
@@ -84,6 +85,9 @@ def ray_session(settings, *, num_cpus: int | None = None, dashboard: bool = Fals
         os.environ.setdefault("RAY_agent_register_timeout_ms", "180000")
         apply_serve_env()
         options = dict(
+            # "local": without an address Ray joins the cluster `ray start` last recorded in
+            # <RAY_TMPDIR or /tmp>/ray/ray_current_cluster, which outlives a killed cluster.
+            address="local",
             num_cpus=num_cpus or max(2, os.cpu_count() or 2),
             dashboard_host="127.0.0.1",
             runtime_env=runtime_env,

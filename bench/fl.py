@@ -46,7 +46,8 @@ def make_snapshot(records: int, users: int) -> None:
     from ray.data.extensions import ArrowTensorArray
 
     from app import storage
-    from app.data.snapshot import MANIFEST, DataFile, WriteStats, build_manifest
+    from app.data.manifest import DataFile, WriteSpec, WriteStats, build_manifest
+    from app.data.snapshot import MANIFEST
     from app.data.synth import generate
     from app.transform import decode_pixels, resize_pixels
 
@@ -77,16 +78,10 @@ def make_snapshot(records: int, users: int) -> None:
     stats.labels.update(r.label for r in rows)
     stats.add_event_times(min(r.event_time_ms for r in rows), max(r.event_time_ms for r in rows))
     stats.files.append(DataFile("event_date=bench/part-0.parquet", len(data), storage.sha256(data)))
-    manifest = build_manifest(
-        settings(),
-        SNAPSHOT,
-        {0: (0, len(rows))},
-        {},
-        stats,
-        features=None,
-        features_weights=None,
-        allowed_lateness_s=3600.0,
+    spec = WriteSpec(
+        topic=TOPIC, dlq_topic=f"{TOPIC}.dlq", image_size=SIZE, classes=None, allowed_lateness_s=3600.0
     )
+    manifest = build_manifest(spec, SNAPSHOT, {0: (0, len(rows))}, {}, stats)
     (root / MANIFEST).write_text(manifest.to_json())
     print(
         f"  snapshot: {len(rows)} records of {len({r.user_id for r in rows})} users in "
@@ -106,12 +101,13 @@ def sequential_fedavg(cfg) -> list[float]:
     import torch
 
     from app import model as core
-    from app.data.snapshot import read_manifest, snapshot_uri
+    from app.data.snapshot import SnapshotStore
     from app.fl import central_test
     from app.fl.task import exchanged_keys, load_client_data, local_evaluate, local_train, model_arrays
 
-    classes = tuple(read_manifest(settings(), SNAPSHOT).classes)
-    uris = (snapshot_uri(settings(), SNAPSHOT),)
+    snapshots = SnapshotStore.at(settings().uri())
+    classes = tuple(snapshots.read_manifest(SNAPSHOT).classes)
+    uris = (snapshots.uri(SNAPSHOT),)
     torch.manual_seed(cfg.seed)
     global_model = core.build_model("cnn", len(classes))
     split, central = central_test(

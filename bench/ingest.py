@@ -55,8 +55,8 @@ def ray_read(bootstrap: str, topic: str, partitions: list[int], records_per_bloc
     """What ingest does before preprocessing: probe the true ends, then read every range with Ray Data."""
     import pyarrow.compute as pc
 
-    from app.data.ingest import KafkaRangeDatasource, read_ranges, streaming_blocks
     from app.data.kafka import KafkaConnection, probe_end_offsets
+    from app.data.kafka_range import KafkaRangeDatasource, read_ranges, streaming_blocks
 
     started = time.perf_counter()
     kafka = KafkaConnection(bootstrap)

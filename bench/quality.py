@@ -229,9 +229,11 @@ def before_after_flags(choices: list[str] | None) -> tuple[tuple[str, list[str]]
 
 def snapshot_counts(storage: Path, topic: str) -> tuple[int, int]:
     from app.config import Settings
-    from app.data.snapshot import list_manifests
+    from app.data.snapshot import SnapshotStore
 
-    manifests = [m for m in list_manifests(Settings(storage=str(storage))) if m.topic == topic]
+    manifests = [
+        m for m in SnapshotStore.at(Settings(storage=str(storage)).uri()).manifests() if m.topic == topic
+    ]
     return sum(m.records for m in manifests), sum(m.dlq for m in manifests)
 
 

@@ -67,14 +67,14 @@ def steady_produce(bootstrap: str, topic: str, rate: float, seconds: float, pool
 
 def durable_lags(settings) -> list[float]:
     """Seconds from each record's Kafka timestamp to its part's commit."""
-    from app.data.snapshot import list_manifests, read_rows, snapshot_uri
+    from app.data.snapshot import SnapshotStore, read_rows
 
-    lags = []
-    for m in list_manifests(settings):
+    snapshots, lags = SnapshotStore.at(settings.uri()), []
+    for m in snapshots.manifests():
         if m.supersedes or not m.files:
             continue
         committed = datetime.fromisoformat(m.created_at).timestamp()
-        table = read_rows([snapshot_uri(settings, m.snapshot_id)], ["kafka_timestamp"])
+        table = read_rows([snapshots.uri(m.snapshot_id)], ["kafka_timestamp"])
         lags += [committed - ts / 1000 for ts in table.column("kafka_timestamp").to_pylist()]
     return lags
 
@@ -82,7 +82,7 @@ def durable_lags(settings) -> list[float]:
 def run_rate(bootstrap: str, storage: str, rate: float, seconds: float, pool: list) -> dict:
     from app.config import IngestConfig, Settings
     from app.data.kafka import KafkaConnection, ensure_topics
-    from app.data.snapshot import list_manifests
+    from app.data.snapshot import SnapshotStore
     from app.data.watch import WatchConfig, watch
 
     topic = f"stream-{int(rate)}-{uuid.uuid4().hex[:6]}"
@@ -99,13 +99,14 @@ def run_rate(bootstrap: str, storage: str, rate: float, seconds: float, pool: li
     produced = steady_produce(bootstrap, topic, rate, seconds, pool)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if sum(m.records + m.dlq for m in list_manifests(settings) if not m.supersedes) >= produced["sent"]:
+        manifests = SnapshotStore.at(settings.uri()).manifests()
+        if sum(m.records + m.dlq for m in manifests if not m.supersedes) >= produced["sent"]:
             break
         time.sleep(0.5)
     stop.set()
     thread.join(120)
     lags = sorted(durable_lags(settings))
-    manifests = len(list_manifests(settings))
+    manifests = len(SnapshotStore.at(settings.uri()).manifests())
 
     def q(x: float) -> float:
         return lags[min(len(lags) - 1, int(x * len(lags)))] if lags else float("nan")

@@ -28,14 +28,14 @@ from collections import Counter
 from datetime import UTC, datetime
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from app import metrics, storage
-from app.config import Settings
-from app.data import snapshot as store
-from app.data.ingest import _fault
+from app import metrics
+from app.data.faults import fault
+from app.data.integrity import verify_file
 from app.data.lease import Lease, LeaseHeld, LeaseLost, SharedLease
+from app.data.manifest import DataFile, Manifest, PartitionRange, live_manifests, new_snapshot_id
+from app.data.snapshot import SnapshotStore
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ OWNER_TAG = "-w"
 
 
 def new_part_id(owner: str) -> str:
-    return f"{store.new_snapshot_id()}{OWNER_TAG}{owner}{PART_SUFFIX}"
+    return f"{new_snapshot_id()}{OWNER_TAG}{owner}{PART_SUFFIX}"
 
 
 def folder_owner(snapshot_id: str) -> str | None:
@@ -61,51 +61,40 @@ def folder_owner(snapshot_id: str) -> str | None:
     return owner if tag and head else None
 
 
-def remove_abandoned(settings: Settings, hold: SharedLease) -> list[str]:
+def remove_abandoned(snapshots: SnapshotStore, hold: SharedLease) -> list[str]:
     """Delete snapshot folders without a manifest whose writer is gone: every one not tagged with a
     live sharer of the topic's lease (a bulk ingest's cannot be live while `hold` is held)."""
     hold.check()
     live = {h.owner for h in hold.sharers()} | {hold.owner}
-    fs, root = storage.filesystem(settings.uri("snapshots"))
-    removed = []
-    for info in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True)):
-        if info.type != pafs.FileType.Directory or folder_owner(info.base_name) in live:
-            continue
-        if not storage.exists(fs, f"{info.path}/{store.MANIFEST}"):
-            log.warning("removing %s: written by a writer that is gone and never committed it", info.path)
-            fs.delete_dir(info.path)
-            removed.append(info.base_name)
-    return removed
+    return snapshots.remove_uncommitted(spare=lambda snapshot_id: folder_owner(snapshot_id) in live)
 
 
-def _created(manifest: store.Manifest) -> float:
+def _created(manifest: Manifest) -> float:
     return datetime.fromisoformat(manifest.created_at).timestamp()
 
 
-def _shape(manifest: store.Manifest) -> tuple:
+def _shape(manifest: Manifest) -> tuple:
     """What every part of one compacted snapshot must share."""
     return (manifest.topic, manifest.image_size, manifest.pixels, manifest.source, manifest.features)
 
 
 def plan_groups(
-    manifests: list[store.Manifest],
+    manifests: list[Manifest],
     topic: str,
     window_s: float | None,
     max_records: int | None,
     now: float,
     settle_s: float = SETTLE_S,
-) -> list[list[store.Manifest]]:
+) -> list[list[Manifest]]:
     """Runs of live parts to compact, each consecutive in the ledger: per closed window, and (with
     `max_records`) as soon as a run holds that many records."""
-    parts = [
-        m for m in store.live_manifests(manifests) if m.topic == topic and m.snapshot_id.endswith(PART_SUFFIX)
-    ]
+    parts = [m for m in live_manifests(manifests) if m.topic == topic and m.snapshot_id.endswith(PART_SUFFIX)]
     parts.sort(key=lambda m: (m.created_at, m.snapshot_id))
-    groups: list[list[store.Manifest]] = []
-    run: list[store.Manifest] = []
+    groups: list[list[Manifest]] = []
+    run: list[Manifest] = []
     ends: dict[int, int] = {}
 
-    def window(m: store.Manifest) -> float | None:
+    def window(m: Manifest) -> float | None:
         return None if window_s is None else _created(m) // window_s
 
     def flush(closed: bool) -> None:
@@ -129,8 +118,8 @@ def plan_groups(
     return [g for g in groups if len(g) > 1]  # one part alone is already one manifest
 
 
-def merged_offsets(parts: list[store.Manifest]) -> dict[int, store.PartitionRange]:
-    out: dict[int, store.PartitionRange] = {}
+def merged_offsets(parts: list[Manifest]) -> dict[int, PartitionRange]:
+    out: dict[int, PartitionRange] = {}
     for m in parts:
         for p, r in m.offsets.items():
             prev = out.get(p)
@@ -140,7 +129,7 @@ def merged_offsets(parts: list[store.Manifest]) -> dict[int, store.PartitionRang
             if r.start != prev.end:
                 raise RuntimeError(f"partition {p}: part {m.snapshot_id} starts at {r.start}, not {prev.end}")
             marks = [w for w in (prev.watermark, r.watermark) if w is not None]
-            out[p] = store.PartitionRange(
+            out[p] = PartitionRange(
                 prev.start,
                 r.end,
                 prev.records + r.records,
@@ -153,13 +142,13 @@ def merged_offsets(parts: list[store.Manifest]) -> dict[int, store.PartitionRang
 
 
 def compact(
-    settings: Settings, parts: list[store.Manifest], fences: tuple[Lease, ...] = (), owner: str | None = None
-) -> store.Manifest:
+    snapshots: SnapshotStore, parts: list[Manifest], fences: tuple[Lease, ...] = (), owner: str | None = None
+) -> Manifest:
     """Rewrite `parts` as one snapshot and commit it (see the module docstring), if every lease of
     `fences` is still held just before."""
-    snapshot_id = store.new_snapshot_id() + (f"{OWNER_TAG}{owner}" if owner else "")
-    fs, root = storage.filesystem(store.snapshot_uri(settings, snapshot_id))
-    files: list[store.DataFile] = []
+    snapshot_id = new_snapshot_id() + (f"{OWNER_TAG}{owner}" if owner else "")
+    folder = snapshots.folder(snapshot_id)
+    files: list[DataFile] = []
     pending: dict[str, list[pa.Table]] = {}
     sizes: Counter = Counter()
 
@@ -170,14 +159,13 @@ def compact(
         buffer = pa.BufferOutputStream()
         pq.write_table(pa.concat_tables(tables), buffer)
         relative = f"{date_dir}/part-{len(files):05d}.parquet"
-        digest = storage.write_file(fs, f"{root}/{relative}", buffer.getvalue().to_pybytes())
-        files.append(store.DataFile(relative, digest.size, digest.sha256))
+        digest = folder.write(relative, buffer.getvalue().to_pybytes())
+        files.append(DataFile(relative, digest.size, digest.sha256))
         sizes[date_dir] = 0
 
     for part in parts:
-        base = store.snapshot_uri(settings, part.snapshot_id)
         for listed in part.files:
-            data = store.verify_file(f"{base}/{listed.path}", listed)
+            data = verify_file(snapshots.folder(part.snapshot_id), listed)
             date_dir = listed.path.split("/")[0]
             pending.setdefault(date_dir, []).append(pq.read_table(pa.BufferReader(data)))
             sizes[date_dir] += len(data)
@@ -219,10 +207,10 @@ def compact(
         raise RuntimeError("compaction: the parts' counts disagree with their offsets; nothing committed")
     for lease in fences:
         lease.check()
-    _fault("before_compact_manifest")
-    if not store.commit(settings, manifest):
+    fault("before_compact_manifest")
+    if not snapshots.commit(manifest):
         raise RuntimeError(f"snapshot {snapshot_id} already has a manifest: another writer used this id")
-    metrics.inc("argus_compactions", topic=settings.topic)
+    metrics.inc("argus_compactions", topic=manifest.topic)
     log.info(
         "compacted %d parts (%d records) into %s: offsets %s",
         len(parts),
@@ -233,30 +221,23 @@ def compact(
     return manifest
 
 
-def delete_superseded(settings: Settings, manifests: list[store.Manifest], grace_s: float, now: float) -> int:
-    """Remove parts superseded more than `grace_s` ago: the manifest first (the folder is then
-    uncommitted, which any later writer may remove), then the folder."""
+def delete_superseded(snapshots: SnapshotStore, manifests: list[Manifest], grace_s: float, now: float) -> int:
+    """Remove parts superseded more than `grace_s` ago (`SnapshotStore.delete`)."""
     present = {m.snapshot_id for m in manifests}
     removed = 0
     for m in manifests:
         if not m.supersedes or now - _created(m) < grace_s:
             continue
         for part_id in m.supersedes:
-            if part_id not in present:
-                continue
-            fs, path = storage.filesystem(store.snapshot_uri(settings, part_id))
-            try:
-                fs.delete_file(f"{path}/{store.MANIFEST}")
-            except FileNotFoundError:
-                pass
-            if fs.get_file_info(path).type == pafs.FileType.Directory:
-                fs.delete_dir(path)
-            removed += 1
+            if part_id in present:
+                snapshots.delete(part_id)
+                removed += 1
     return removed
 
 
 def compact_once(
-    settings: Settings,
+    snapshots: SnapshotStore,
+    topic: str,
     cfg,
     fences: tuple[Lease, ...] = (),
     owner: str | None = None,
@@ -264,27 +245,24 @@ def compact_once(
 ) -> list[str]:
     """One pass: compact every due run of parts, then delete parts superseded long enough ago."""
     now = time.time() if now is None else now
-    manifests = store.list_manifests(settings)
+    manifests = snapshots.manifests()
     done = []
-    for group in plan_groups(manifests, settings.topic, cfg.compact_window_s, cfg.compact_max_records, now):
-        done.append(compact(settings, group, fences, owner).snapshot_id)
+    for group in plan_groups(manifests, topic, cfg.compact_window_s, cfg.compact_max_records, now):
+        done.append(compact(snapshots, group, fences, owner).snapshot_id)
     if done:
-        manifests, now = store.list_manifests(settings), max(now, time.time())
-    delete_superseded(settings, manifests, cfg.compact_grace_s, now)
+        manifests, now = snapshots.manifests(), max(now, time.time())
+    delete_superseded(snapshots, manifests, cfg.compact_grace_s, now)
     return done
-
-
-def compaction_lease(settings: Settings, ttl_s: float | None = None) -> Lease:
-    return Lease(settings.uri("leases", f"ingest-{settings.topic}", "compact"), ttl_s=ttl_s)
 
 
 class Compactor:
     """`compact_once` every CHECK_S in a thread beside the watch's pipeline, while this watch holds
-    the topic's compaction lease (tried every CHECK_S while another watch holds it)."""
+    the topic's compaction lease (`compact/` under the topic's lease; tried every CHECK_S while
+    another watch holds it)."""
 
-    def __init__(self, settings: Settings, cfg, hold: SharedLease, stop: threading.Event):
-        self.settings, self.cfg, self.hold, self.stop = settings, cfg, hold, stop
-        self.lease = compaction_lease(settings, hold.ttl_s)
+    def __init__(self, snapshots: SnapshotStore, topic: str, cfg, hold: SharedLease, stop: threading.Event):
+        self.snapshots, self.topic, self.cfg, self.hold, self.stop = snapshots, topic, cfg, hold, stop
+        self.lease = Lease(hold.store.child("compact"), ttl_s=hold.ttl_s)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="compactor")
 
@@ -300,21 +278,21 @@ class Compactor:
         while not self._done():
             try:
                 with self.lease.held():
-                    log.info("compacting %s (this watch holds the compaction lease)", self.settings.topic)
-                    remove_abandoned(self.settings, self.hold)  # a compactor that died left its folder
+                    log.info("compacting %s (this watch holds the compaction lease)", self.topic)
+                    remove_abandoned(self.snapshots, self.hold)  # a compactor that died left its folder
                     while True:
                         try:
-                            compact_once(self.settings, self.cfg, fences, self.hold.owner)
+                            compact_once(self.snapshots, self.topic, self.cfg, fences, self.hold.owner)
                         except LeaseLost:
                             raise
                         except Exception:  # the next pass retries from what is committed
-                            log.exception("compaction of %s failed", self.settings.topic)
+                            log.exception("compaction of %s failed", self.topic)
                         if self._done():
                             return
             except LeaseHeld:
                 continue  # another watch compacts; this one takes over when that one's lease expires
             except LeaseLost as exc:
-                log.warning("compaction of %s stopped: %s", self.settings.topic, exc)
+                log.warning("compaction of %s stopped: %s", self.topic, exc)
 
     def close(self) -> None:
         self._closed.set()

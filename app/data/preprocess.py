@@ -23,7 +23,7 @@ from app.transform import BadImage, decode_pixels, normalize_pixels, resize_pixe
 log = logging.getLogger(__name__)
 
 # Logical CPUs of the ingest stages. Per cluster CPU there is at most one Kafka read task, one
-# snapshot write task (`app.data.ingest.IO_TASK_CPUS`, 0.25 each) and one preprocessing actor:
+# snapshot write task (`app.data.kafka_range.IO_TASK_CPUS`, 0.25 each) and one preprocessing actor:
 # 0.25 + 0.25 + 0.5 = 1, so every stage can be placed at once (a pool holding every CPU would leave
 # the reads and writes unscheduled and hang) while the OS shares the cores among them.
 PREPROCESS_ACTOR_CPUS = 0.5

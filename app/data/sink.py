@@ -1,6 +1,6 @@
 """Ingest's write side: a Ray Data sink whose write tasks put good rows into Parquet files under the
 snapshot's folder (recording each file's size and SHA-256 for the manifest) and publish dead letters,
-and return the accounting the manifest's proof is built from (`app.data.snapshot.WriteStats`).
+and return the accounting the manifest's proof is built from (`app.data.manifest.WriteStats`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
-from app import storage
 from app.data import kafka
-from app.data import snapshot as store
+from app.data.manifest import DataFile, WriteStats, event_date
 from app.data.records import record_headers
+from app.storage import Store
 
 
 class SnapshotSink(Datasink):
@@ -27,12 +27,12 @@ class SnapshotSink(Datasink):
 
     def __init__(self, target: SinkTarget):
         self.target = target
-        self.stats = store.WriteStats()
+        self.stats = WriteStats()
 
     def get_name(self):
         return "Snapshot"
 
-    def write(self, blocks, ctx) -> store.WriteStats:
+    def write(self, blocks, ctx) -> WriteStats:
         return write_snapshot_blocks(blocks, self.target, f"{ctx.task_idx:05d}")
 
     def on_write_complete(self, write_result):
@@ -45,8 +45,10 @@ class SnapshotSink(Datasink):
 class SinkTarget:
     """Where one ingest's write tasks put what they write."""
 
-    snapshot_uri: str
-    dlq_storage_uri: str
+    folder: Store
+    """The snapshot's folder."""
+    dlq: Store
+    """`<storage>/dlq/`, for dead letters too large for the DLQ topic."""
     connection: kafka.KafkaConnection
     topic: str
     dlq_topic: str
@@ -67,22 +69,20 @@ def _dead_letter(row: dict, target: SinkTarget) -> tuple[bytes, list[tuple[str, 
     if len(value) <= target.dlq_max_bytes:
         return value, headers
     # Named by its source coordinates: a rerun after a crash overwrites the same object.
-    uri = f"{target.dlq_storage_uri}/{target.topic}/{row['partition']}-{row['offset']}.bin"
-    fs, path = storage.filesystem(uri)
-    digest = storage.write_file(fs, path, value)
+    relative = f"{target.topic}/{row['partition']}-{row['offset']}.bin"
+    digest = target.dlq.write(relative, value)
     headers += [
-        ("payload_uri", uri.encode()),
+        ("payload_uri", target.dlq.uri(relative).encode()),
         ("payload_size", str(digest.size).encode()),
         ("payload_sha256", digest.sha256.encode()),
     ]
     return b"", headers
 
 
-def write_snapshot_blocks(blocks, target: SinkTarget, task_name: str) -> store.WriteStats:
+def write_snapshot_blocks(blocks, target: SinkTarget, task_name: str) -> WriteStats:
     """One write task: Parquet files (size and SHA-256 recorded for the manifest), dead letters,
     and the accounting the manifest is built from."""
-    fs, root = storage.filesystem(target.snapshot_uri)
-    stats = store.WriteStats()
+    stats = WriteStats()
     producer = None
     failures: list[BaseException] = []
     part = 0
@@ -115,7 +115,7 @@ def write_snapshot_blocks(blocks, target: SinkTarget, task_name: str) -> store.W
                 continue
             good = good.drop_columns(["error", "value", "value_size", "gap_end"])
             event_times = good.column("event_time").to_pylist()
-            dates = [store.event_date(t) for t in event_times]
+            dates = [event_date(t) for t in event_times]
             stats.labels.update(label for label in good.column("label").to_pylist() if label is not None)
             stats.late += sum(good.column("late").to_pylist())
             stats.add_event_times(min(event_times), max(event_times))
@@ -125,8 +125,8 @@ def write_snapshot_blocks(blocks, target: SinkTarget, task_name: str) -> store.W
                 relative = f"event_date={date}/part-{task_name}-{part:04d}.parquet"
                 buffer = pa.BufferOutputStream()
                 pq.write_table(subset, buffer)
-                digest = storage.write_file(fs, f"{root}/{relative}", buffer.getvalue().to_pybytes())
-                stats.files.append(store.DataFile(relative, digest.size, digest.sha256))
+                digest = target.folder.write(relative, buffer.getvalue().to_pybytes())
+                stats.files.append(DataFile(relative, digest.size, digest.sha256))
                 part += 1
         if producer is not None:
             producer.flush()

@@ -2,14 +2,14 @@
 
     python -m app watch --max-batch-delay-s 1 --lag-alert-s 5 --lag-alert-for-s 1
 
-One long-lived pipeline (`app.data.stream`): a consumer kept open in the consumer group, a pool of
-preprocessing actors kept warm, micro-batches cut by size or time and each committed as a small part
-(a snapshot with its own manifest) under the leases of its partitions, so offsets advance only with
-a durable commit; and, beside it, compaction of closed windows of parts into one snapshot each
-(`app.data.compact`, by whichever watch holds the compaction lease). Several watches in one `--group`
-share the topic's partitions; a bulk `ingest` waits while any of them runs, and they for it. While
-`--pause-file` exists nothing is cut or committed (lag keeps being measured): an operator's brake,
-and how the alert is tested.
+One long-lived pipeline (`app.data.stream`, with `partitions`, `parts` and `lag`): a consumer kept
+open in the consumer group, a pool of preprocessing actors kept warm, micro-batches cut by size or
+time and each committed as a small part (a snapshot with its own manifest) under the leases of its
+partitions, so offsets advance only with a durable commit; and, beside it, compaction of closed
+windows of parts into one snapshot each (`app.data.compact`, by whichever watch holds the
+compaction lease). Several watches in one `--group` share the topic's partitions; a bulk `ingest`
+waits while any of them runs, and they for it. While `--pause-file` exists nothing is cut or
+committed (lag keeps being measured): an operator's brake, and how the alert is tested.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from app.config import IngestConfig, Settings
 from app.data.kafka import KafkaConnection, partitions_of, probe_end_offsets
-from app.data.snapshot import ledger_offsets, list_manifests
+from app.data.manifest import ledger_offsets
+from app.data.snapshot import SnapshotStore
 from app.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def measure_lag(settings: Settings, kafka: KafkaConnection) -> Lag:
     to it), and the age of the oldest of them."""
     from confluent_kafka import TopicPartition
 
-    starts, _ = ledger_offsets(list_manifests(settings), settings.topic)
+    starts, _ = ledger_offsets(SnapshotStore.at(settings.uri()).manifests(), settings.topic)
     partitions = partitions_of(kafka, settings.topic)
     ends = probe_end_offsets(kafka, settings.topic, partitions)
     behind = {p: max(0, ends[p] - starts.get(p, 0)) for p in partitions}
@@ -125,24 +126,28 @@ def watch(
     over from the ledger when it lost what it held (`Restart`)."""
     from app.data import kafka as kafka_clients
     from app.data.compact import Compactor
-    from app.data.ingest import ingest_lease
+    from app.data.ingest import ingest_lease, write_spec
     from app.data.lease import LeaseHeld, SharedLease
-    from app.data.stream import Restart, Stream
+    from app.data.partitions import Restart
+    from app.data.stream import Stream
 
     stop = stop or threading.Event()
     kafka_clients.ensure_topics(
         kafka, settings.topic, settings.dlq_topic, settings.partitions, settings.replication_factor
     )
+    snapshots = SnapshotStore.at(settings.uri())
+    spec = write_spec(settings, ingest_cfg)
     # Shared: other watches of the topic hold it too; a bulk ingest's exclusive hold excludes them all.
-    lease = SharedLease(ingest_lease(settings, ingest_cfg).root_uri, ttl_s=ingest_cfg.lease_ttl_s)
+    topic_lease = ingest_lease(snapshots.store, settings.topic)
+    lease = SharedLease(topic_lease.store, ttl_s=ingest_cfg.lease_ttl_s)
     waiting = False
     while not stop.is_set():
         try:
             with lease.held():
-                compactor = Compactor(settings, cfg, lease, stop)
+                compactor = Compactor(snapshots, settings.topic, cfg, lease, stop)
                 compactor.start()
                 try:
-                    return Stream(settings, cfg, ingest_cfg, kafka, lease, stop).run()
+                    return Stream(snapshots, spec, cfg, ingest_cfg, kafka, lease, stop).run()
                 finally:
                     compactor.close()
         except LeaseHeld as exc:

@@ -4,8 +4,9 @@
 
 `federate` splits the snapshots' labelled records by event time (`app.selection`), deals the
 users into clients (which read only records before the test slice), runs Flower rounds
-(`server_app`) on our Ray actors (`grid`, running `client_app` over `task`), evaluates the global
-model on the test slice after every round, checkpoints every round (`checkpoint`), logs and
+(`server_app`, updates checked by `guard`, released under DP by `privacy`) on our Ray actors
+(`grid`, running `client_app` over `task`), evaluates the global model on the test slice after
+every round (`evaluation`), checkpoints every round (`checkpoint`), logs and
 registers the result, and with `--promote-if-better` moves the alias only to a better model.
 Design and reasons: docs/federated.md.
 """
@@ -28,18 +29,15 @@ from app import model as core
 from app import registry
 from app.cluster import ray_session
 from app.config import Settings
-from app.data.snapshot import Manifest, discover_classes, read_rows, select_snapshots, snapshot_uri
+from app.data.manifest import Manifest, discover_classes
+from app.data.snapshot import SnapshotStore, read_rows
 from app.errors import ConfigError
 from app.fl.checkpoint import load_checkpoint
 from app.fl.config import MEAN_STRATEGIES, FederateConfig, FederateReport
+from app.fl.evaluation import CentralEvaluation
 from app.fl.grid import RayGrid, pool_size, stamp_task_identity
-from app.fl.server_app import (
-    CentralEvaluation,
-    Federation,
-    GaussianAccountant,
-    build_server_app,
-    build_strategy,
-)
+from app.fl.privacy import GaussianAccountant
+from app.fl.server_app import Federation, build_server_app, build_strategy
 from app.fl.task import labelled_rows, model_arrays, partition_sizes
 from app.selection import EventTimeSplit, promote_if_better
 
@@ -104,15 +102,16 @@ def federate(
 
     `before_promotion` runs just before the alias may move (the demo starts its traffic there, so a
     rollout happens under it)."""
+    snapshots = SnapshotStore.at(settings.uri())
     try:
-        manifests = select_snapshots(settings, cfg.snapshots)
+        manifests = snapshots.select(settings.topic, settings.image_size, cfg.snapshots)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     classes = discover_classes(manifests, settings.classes)
     if len(classes) < 2:
         raise ConfigError(f"federated training needs at least two classes; the snapshots have {classes}")
     snapshot_ids = [m.snapshot_id for m in manifests]
-    uris = [snapshot_uri(settings, s) for s in snapshot_ids]
+    uris = [snapshots.uri(s) for s in snapshot_ids]
     users = len(set(read_rows(uris, ["key"]).column("key").drop_null().to_pylist()))
     if cfg.clients > users:
         raise ConfigError(

@@ -17,10 +17,7 @@ per-channel statistics of the transformed image, as immutable JSON-lines objects
 
 `--retrain` submits `ingest → train --promote-if-better` as a Ray job, so the alias moves only when
 the new version beats the champion on the test slice (`app.selection`).
-
-Why not alibi-detect for the MMD test: alibi-detect 0.13.0 needs numpy<2, pillow 10.4, pandas,
-opencv and transformers (it would downgrade the pinned numpy 2.4.6 and pillow 13.0.0); the test
-is thirty lines of numpy.
+The statistics themselves are `app.ops.two_sample`'s.
 """
 
 from __future__ import annotations
@@ -37,15 +34,16 @@ import numpy as np
 
 from app import metrics, registry
 from app.config import Settings
+from app.data.snapshot import SnapshotStore
 from app.errors import ConfigError
+from app.ops.two_sample import categorical_psi, mmd_test, psi
+from app.storage import Store
 
 log = logging.getLogger(__name__)
 
 STATISTICS = ("mean_r", "mean_g", "mean_b", "std_r", "std_g", "std_b")
-EPSILON = 1e-4
 OUTPUT_SAMPLE = 512
 """Most reference records the model is run on, and most served vectors tested (MMD is O(n²))."""
-PERMUTATIONS = 200
 SEED = 0
 """Seeds the reference sample, the served subsample and the permutations: a rerun over the same
 logs gives the same verdict."""
@@ -134,55 +132,6 @@ class DriftReport:
         return f"v{self.version} vs {self.requests} recent requests: {verdict}{job}\n" + "\n".join(rows)
 
 
-def psi(reference: np.ndarray, current: np.ndarray, bins: int = 10) -> float:
-    """Population stability index of `current` against `reference`, on reference quantile bins."""
-    edges = np.unique(np.quantile(reference, np.linspace(0, 1, bins + 1)[1:-1]))
-    expected = np.bincount(np.searchsorted(edges, reference), minlength=len(edges) + 1) / len(reference)
-    actual = np.bincount(np.searchsorted(edges, current), minlength=len(edges) + 1) / len(current)
-    expected, actual = np.clip(expected, EPSILON, None), np.clip(actual, EPSILON, None)
-    return float(np.sum((actual - expected) * np.log(actual / expected)))
-
-
-def categorical_psi(reference: dict[str, float], current: dict[str, float]) -> float:
-    names = sorted(set(reference) | set(current))
-    expected = np.clip(np.array([reference.get(n, 0.0) for n in names]), EPSILON, None)
-    actual = np.clip(np.array([current.get(n, 0.0) for n in names]), EPSILON, None)
-    return float(np.sum((actual - expected) * np.log(actual / expected)))
-
-
-def mmd_test(
-    x: np.ndarray, y: np.ndarray, permutations: int = PERMUTATIONS, seed: int = SEED
-) -> tuple[float, float]:
-    """Kernel two-sample test of samples x [n, d] and y [m, d] (n, m >= 2): the unbiased MMD² under
-    an RBF kernel exp(-|a-b|² / h), h the median pairwise squared distance of the pooled sample
-    (the median heuristic), and its p-value over `permutations` seeded relabellings of the pool."""
-    z = np.concatenate([x, y]).astype(np.float64)
-    n, m = len(x), len(y)
-    norms = np.sum(z * z, axis=1)
-    distances = np.maximum(norms[:, None] + norms[None, :] - 2 * z @ z.T, 0.0)
-    pairs = distances[np.triu_indices(n + m, 1)]
-    bandwidth = float(np.median(pairs))
-    if bandwidth <= 0:  # over half the pairs coincide (saturated one-hot outputs): the others decide
-        if not (pairs > 0).any():
-            return 0.0, 1.0  # one point repeated: nothing tells the samples apart
-        bandwidth = float(np.median(pairs[pairs > 0]))
-    kernel = np.exp(-distances / bandwidth)
-    np.fill_diagonal(kernel, 0.0)  # unbiased: no point is compared with itself
-    rng = np.random.default_rng(seed)
-    in_x = np.zeros((permutations + 1, n + m))
-    in_x[0, :n] = 1.0  # row 0: the observed split; the others: random relabellings
-    for row in in_x[1:]:
-        row[rng.permutation(n + m)[:n]] = 1.0
-    # One product gives every split's within-x sum; the cross and within-y sums follow from it.
-    kx = in_x @ kernel
-    xx = np.einsum("pi,pi->p", kx, in_x)
-    xy = kx.sum(axis=1) - xx
-    yy = kernel.sum() - xx - 2 * xy
-    statistics = xx / (n * (n - 1)) + yy / (m * (m - 1)) - 2 * xy / (n * m)
-    p_value = (1 + np.sum(statistics[1:] >= statistics[0])) / (1 + permutations)
-    return float(statistics[0]), float(p_value)
-
-
 def _sample_keys(partition: np.ndarray, offset: np.ndarray, seed: int) -> np.ndarray:
     """A seeded pseudo-random key per record (splitmix64 of its Kafka coordinates): the sample is
     the same whatever order Ray Data yields the rows in."""
@@ -203,19 +152,18 @@ class Reference:
     """The version's softmax vectors [n, K] on a seeded sample of the held-out records."""
 
 
-def reference_data(settings: Settings, loaded: registry.LoadedModel, seed: int = SEED) -> Reference:
+def reference_data(snapshots: SnapshotStore, loaded: registry.LoadedModel, seed: int = SEED) -> Reference:
     """Image statistics of every record the version was trained on, its label shares, and the
     model's outputs on up to OUTPUT_SAMPLE of the held-out ones, in one read of the snapshots."""
     import ray.data
     import torch
 
-    from app.data.snapshot import data_file_uris, read_manifest
     from app.selection import EventTimeSplit
     from app.transform import normalize_pixels
 
     card = loaded.card
-    manifests = [read_manifest(settings, s["snapshot_id"]) for s in card.snapshots]
-    paths = data_file_uris(settings, manifests)
+    manifests = [snapshots.read_manifest(s["snapshot_id"]) for s in card.snapshots]
+    paths = snapshots.data_file_uris(manifests)
     # Records from the validation slice on were not fitted; without a split, every record.
     held_out_from = EventTimeSplit(**card.split).val_from if card.split else -(2**63)
     columns = {name: [] for name in STATISTICS}
@@ -301,21 +249,16 @@ def parse_row(line: bytes, classes: list[str]) -> TrafficRow | None:
 
 
 def recent_traffic(
-    settings: Settings, version: str, window_s: float, classes: list[str], max_rows: int = MAX_ROWS
+    traffic: Store, version: str, window_s: float, classes: list[str], max_rows: int = MAX_ROWS
 ) -> list[TrafficRow]:
-    """The well-formed rows served by `version` in the last `window_s`, newest objects first, at
-    most `max_rows`; read through the storage's filesystem, as the replicas wrote them."""
-    import pyarrow.fs as pafs
-
-    from app.storage import filesystem, read_file
-
+    """The well-formed rows served by `version` in the last `window_s` in the `traffic` logs,
+    newest objects first, at most `max_rows`; read through the store, as the replicas wrote them."""
     since = time.time() - window_s
-    fs, root = filesystem(settings.uri("traffic"))
     # An object is written after its rows: one last modified before the window holds none of them.
     modified_since = (since - CLOCK_SKEW_S) * 1e9
     objects = [
         info
-        for info in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+        for info in traffic.list()
         if info.is_file and info.base_name.endswith(".jsonl") and (info.size or 0) <= MAX_LOG_BYTES
         if info.mtime_ns is None or info.mtime_ns >= modified_since
     ]
@@ -324,14 +267,14 @@ def recent_traffic(
     for info in objects:
         if len(rows) >= max_rows:
             break
-        for line in read_file(fs, info.path).splitlines():
+        for line in traffic.read(info.base_name).splitlines():
             row = parse_row(line, classes)
             if row is None:
                 skipped += line.strip() != b""
             elif row.time >= since and row.model_version == version:
                 rows.append(row)
     if skipped:
-        log.warning("skipped %d malformed traffic-log rows under %s", skipped, settings.uri("traffic"))
+        log.warning("skipped %d malformed traffic-log rows under %s", skipped, traffic.uri())
     return rows[:max_rows]
 
 
@@ -350,13 +293,14 @@ def drift(settings: Settings, cfg: DriftConfig) -> DriftReport:
     if version is None:
         raise ConfigError(f"alias {cfg.alias!r} of {settings.model_name} points at no version")
     loaded = registry.load(settings.tracking_uri, settings.model_name, version)
-    traffic = recent_traffic(settings, version, cfg.window_s, loaded.card.classes)
+    store = Store.at(settings.uri())
+    traffic = recent_traffic(store.child("traffic"), version, cfg.window_s, loaded.card.classes)
     if len(traffic) < cfg.min_requests:
         raise RuntimeError(
             f"only {len(traffic)} requests to v{version} in the last {cfg.window_s:.0f}s; "
             f"need {cfg.min_requests} for a verdict"
         )
-    reference = reference_data(settings, loaded)
+    reference = reference_data(SnapshotStore(store), loaded)
     scores = {
         name: psi(reference.statistics[name], np.array([row.statistics[name] for row in traffic]))
         for name in STATISTICS
@@ -422,4 +366,5 @@ def submit_retraining(settings: Settings, card: registry.ModelCard) -> str:
 
 
 def _project_root() -> Path:
-    return Path(__file__).resolve().parents[1]
+    """The folder holding the `app` package: the job's working dir, where `python -m app` runs."""
+    return Path(__file__).resolve().parents[2]

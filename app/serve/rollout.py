@@ -287,6 +287,10 @@ class CoordinatorLink:
             )
         try:
             return ray.get(getattr(self._handle, method).remote(*args), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            # Slow, not gone: keep the handle. Ray kills a (non-detached) coordinator once the replica
+            # that created it drops it, and under load each new one timed out too (seen: 4 in a minute).
+            raise
         except Exception:
             self._handle = None
             raise

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -99,6 +100,30 @@ class Traffic:
                 )
             except requests.RequestException as exc:
                 self.answers[index].append((0, repr(exc), None))
+
+    def wait_for_answers(self, timeout_s: float = 120) -> None:
+        """Until every client has had one more answer than now (so each sees what is served now)."""
+        counts = [len(answers) for answers in self.answers]
+        self._wait(
+            lambda: all(len(answers) > count for answers, count in zip(self.answers, counts)),
+            timeout_s,
+            "not every client was answered",
+        )
+
+    def wait_for_replica(self, replica: str, timeout_s: float = 120) -> None:
+        """Until some client has had a 200 from `replica` (Serve's router has picked it up)."""
+        self._wait(
+            lambda: any(a[0] == 200 and a[2] == replica for answers in self.answers for a in list(answers)),
+            timeout_s,
+            f"no request reached replica {replica}",
+        )
+
+    @staticmethod
+    def _wait(done, timeout_s: float, failure: str) -> None:
+        deadline = time.monotonic() + timeout_s  # generous: a loaded 2-core machine is slow, not wrong
+        while not done():
+            assert time.monotonic() < deadline, f"{failure} within {timeout_s:g}s"
+            time.sleep(0.1)
 
     @property
     def failed(self) -> list[tuple[int, str, str | None]]:

@@ -23,7 +23,7 @@ from app.data import synth
 from app.data.ingest import ingest
 from app.data.produce import produce
 from app.data.records import SCHEMA_VERSION, record_headers
-from app.data.snapshot import MANIFEST, list_manifests, snapshot_uri
+from app.data.snapshot import MANIFEST, SnapshotStore
 from app.transform import normalize_pixels, preprocess
 
 from conftest import ROOT, child_env, run_cli, settings_args
@@ -49,10 +49,19 @@ def consume_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 30
     return records
 
 
+def snapshots_of(settings) -> SnapshotStore:
+    return SnapshotStore.at(settings.uri())
+
+
+def list_manifests(settings) -> list:
+    return snapshots_of(settings).manifests()
+
+
 def snapshot_rows(settings, snapshot_id: str) -> list[dict]:
     import ray.data
 
-    return ray.data.read_parquet(snapshot_uri(settings, snapshot_id), file_extensions=["parquet"]).take_all()
+    uri = snapshots_of(settings).uri(snapshot_id)
+    return ray.data.read_parquet(uri, file_extensions=["parquet"]).take_all()
 
 
 def send(settings, records) -> list[tuple[int, int]]:
@@ -135,7 +144,7 @@ def test_ingest_is_exact_and_resumable(settings, ray_cluster, monkeypatch, caplo
     assert any(r.getMessage().endswith("of 72 offsets written as records so far") for r in caplog.records)
     rows = snapshot_rows(settings, first.snapshot_id)
     assert {(r["partition"], r["offset"]) for r in rows} == good and len(rows) == 61
-    manifest = json.loads(open(f"{snapshot_uri(settings, first.snapshot_id)}/{MANIFEST}").read())
+    manifest = json.loads(open(f"{snapshots_of(settings).uri(first.snapshot_id)}/{MANIFEST}").read())
     assert manifest["records"] == 61 and manifest["dlq"] == 11
     assert manifest["classes"] == list(synth.DEFAULT_CLASSES)
     assert manifest["normalization"]["mean"] == [0.485, 0.456, 0.406] and manifest["image_size"] == 32
@@ -175,6 +184,51 @@ def test_ingest_is_exact_and_resumable(settings, ray_cluster, monkeypatch, caplo
     for partition, end in ends.items():
         assert committed.committed(TopicPartition(settings.topic, partition)) == end
     committed.close()
+
+
+def test_records_without_a_label_or_schema_header_are_kept_as_unlabelled_ubi_v1(settings, ray_cluster):
+    """CONTRACT.md §1: `label` is absent on unlabelled traffic, and a record with another or no
+    `schema` header is read as ubi.v1 if its value decodes; only one that does not decode is a
+    dead letter. A configured class list does not turn an absent label into an unknown one."""
+    import dataclasses
+
+    settings = dataclasses.replace(settings, classes=synth.DEFAULT_CLASSES)
+    [(key, image, label, event_time)] = valid_records(1, seed=41)
+    event = ("event_time", str(event_time).encode())
+    sent = {
+        "no label": [event, ("schema", SCHEMA_VERSION.encode())],
+        "no schema": [event, ("label", label.encode())],
+        "neither": [event],
+        "another schema": [event, ("schema", b"ubi.v9"), ("label", label.encode())],
+    }
+    producer = settings.kafka_connection().producer()
+    futures = {
+        name: producer.send(settings.topic, key=key.encode(), value=image, headers=headers)
+        for name, headers in sent.items()
+    }
+    futures["undecodable"] = producer.send(
+        settings.topic, key=key.encode(), value=b"not an image", headers=[event]
+    )
+    producer.flush()
+    producer.close()
+    where = {name: (f.get().partition, f.get().offset) for name, f in futures.items()}
+
+    report = ingest(settings, IngestConfig(), settings.kafka_connection())
+    assert report.records == 4 and report.dlq == 1
+    rows = {(r["partition"], r["offset"]): r for r in snapshot_rows(settings, report.snapshot_id)}
+    assert set(rows) == {where[name] for name in sent}
+    assert {name: rows[where[name]]["label"] for name in sent} == {
+        "no label": None,
+        "no schema": label,
+        "neither": None,
+        "another schema": label,
+    }
+    manifest = list_manifests(settings)[0]
+    assert manifest.label_counts == {label: 2} and manifest.dlq_errors == {"undecodable image": 1}
+    [dead] = consume_all(settings.bootstrap_servers, settings.dlq_topic, 1)
+    headers = {k: v.decode() for k, v in dead.headers}
+    assert headers["error"].startswith("undecodable")
+    assert (int(headers["source_partition"]), int(headers["source_offset"])) == where["undecodable"]
 
 
 @pytest.mark.parametrize("fault", ["after_write", "before_manifest", "before_commit"])
@@ -223,7 +277,7 @@ def test_one_writer_at_a_time_the_other_says_so_and_writes_nothing(settings, ray
 
     coordinates = send(settings, valid_records(40, seed=6))
     args = ["ingest", *settings_args(settings), "--ray-address", ray.get_runtime_context().gcs_address]
-    with ingest_lease(settings, IngestConfig()).held():  # a writer that is mid-way
+    with ingest_lease(snapshots_of(settings).store, settings.topic).held():  # a writer that is mid-way
         held = run_cli(*args)
     assert held.returncode == 0, held.stderr[-2000:]
     assert held.stdout.strip().startswith("another ingest is writing") and len(held.stdout.splitlines()) == 1
@@ -251,14 +305,15 @@ def test_one_writer_at_a_time_the_other_says_so_and_writes_nothing(settings, ray
 
 
 def test_a_snapshot_committed_meanwhile_over_the_same_offsets_aborts_the_commit(settings, ray_cluster):
-    from app.data.ingest import check_no_overlap
+    from app.data.plan import check_no_overlap
 
     send(settings, valid_records(10, seed=8))
     first = ingest(settings, IngestConfig(), settings.kafka_connection())
-    check_no_overlap(settings, {p: (end, end + 5) for p, (_, end) in first.offsets.items()})  # after it: fine
+    snapshots, after = snapshots_of(settings), {p: (end, end + 5) for p, (_, end) in first.offsets.items()}
+    check_no_overlap(snapshots, settings.topic, after)  # after it: fine
     partition, (start, end) = next(iter(first.offsets.items()))
     with pytest.raises(RuntimeError, match=f"snapshot {first.snapshot_id} was committed meanwhile"):
-        check_no_overlap(settings, {partition: (end - 1, end + 3)})
+        check_no_overlap(snapshots, settings.topic, {partition: (end - 1, end + 3)})
 
 
 def test_transaction_markers_and_aborted_records_are_skipped_offsets_not_a_failure(settings, ray_cluster):

@@ -9,11 +9,12 @@ import re
 import uuid
 
 import pytest
+from ray.job_submission import JobSubmissionClient
 
 from app import registry
 from app.config import ProduceConfig, Settings
 from app.data.produce import produce
-from app.data.snapshot import list_manifests
+from app.data.snapshot import SnapshotStore
 from app.net import free_port
 from app.serve.rollout import wait_for_rollout
 
@@ -34,6 +35,7 @@ def head_node(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_ingest_and_train_as_jobs_then_a_retraining_job(head_node, broker, tmp_path):
     settings = Settings(
         bootstrap_servers=broker,
@@ -60,9 +62,13 @@ def test_ingest_and_train_as_jobs_then_a_retraining_job(head_node, broker, tmp_p
         "--model",
         "cnn",
     ]
-    logs = wait_for_job(head_node, submit(head_node, "ingest", *common))
+    job = submit(head_node, "ingest", *common)
+    logs = wait_for_job(head_node, job)
     assert "snapshot snap-" in logs
-    assert sum(m.records + m.dlq for m in list_manifests(settings)) == 240
+    # Its driver joined the job's cluster (Ray gives it RAY_ADDRESS) rather than starting a Ray of its
+    # own: the head's GCS knows the driver of this submission only then.
+    assert JobSubmissionClient(head_node).get_job_info(job).driver_info is not None
+    assert sum(m.records + m.dlq for m in SnapshotStore.at(settings.uri()).manifests()) == 240
 
     wait_for_job(head_node, submit(head_node, "train", *common, "--epochs", "2", "--num-workers", "2"))
     first = registry.resolve(settings.tracking_uri, settings.model_name, "champion")
@@ -110,7 +116,7 @@ def test_ingest_and_train_as_jobs_then_a_retraining_job(head_node, broker, tmp_p
     )
     logs = wait_for_job(head_node, submit(head_node, "watch", *common, "--max-ticks", "1"))
     assert "watch stopped after" in logs, logs[-3000:]
-    assert 240 < sum(m.records + m.dlq for m in list_manifests(settings)) <= 300
+    assert 240 < sum(m.records + m.dlq for m in SnapshotStore.at(settings.uri()).manifests()) <= 300
 
     # serve --detach as a job: the deployment outlives it; drift and promote as jobs against it.
     champion = registry.resolve(settings.tracking_uri, settings.model_name, "champion")
@@ -125,7 +131,5 @@ def test_ingest_and_train_as_jobs_then_a_retraining_job(head_node, broker, tmp_p
     logs = wait_for_job(head_node, submit(head_node, "promote", target, *common))
     assert f"every replica (1) at {url} serves v{target}" in logs, logs[-3000:]
     assert {version for version, _ in sequential(url, 20)} == {target}
-
-    from ray.job_submission import JobSubmissionClient
 
     assert len(JobSubmissionClient(head_node).list_jobs()) == 8  # the head node still serves

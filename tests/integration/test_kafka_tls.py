@@ -20,21 +20,20 @@ from app.data.broker import EmbeddedBroker
 from app.data.ingest import ingest
 from app.data.kafka import MAX_MESSAGE_BYTES, partitions_of, probe_end_offsets
 from app.data.produce import produce
-from app.data.snapshot import list_manifests, snapshot_uri
+from app.data.snapshot import SnapshotStore
 from app.data.watch import measure_lag
 from app.net import accepts, free_port
 
-from conftest import TEST_IMAGE_SIZE, make_tls_files, run_cli, settings_args
+from conftest import TEST_IMAGE_SIZE, make_tls_files, missing_dependency, run_cli, settings_args
 
 STUNNEL = shutil.which("stunnel") or shutil.which("stunnel4")
-if STUNNEL is None and os.environ.get("CI"):
-    raise RuntimeError("stunnel is missing: .ci/run installs the stunnel4 package")
-pytestmark = pytest.mark.skipif(STUNNEL is None, reason="stunnel (Debian package stunnel4) is not installed")
 
 
 @pytest.fixture(scope="module")
 def tls_broker(tmp_path_factory):
     """An embedded broker on a plain port that advertises the TLS port stunnel listens on."""
+    if STUNNEL is None:
+        missing_dependency("stunnel is not installed: .ci/run installs the Debian package stunnel4")
     root = tmp_path_factory.mktemp("tls")
     files = make_tls_files(root / "pki")
     plain_port, tls_port = free_port(), free_port()
@@ -115,7 +114,9 @@ def test_produce_and_ingest_over_tls_with_the_right_ca(tls_broker, tmp_path, ray
     report = ingest(settings, IngestConfig(), kafka)
 
     assert report.records + report.dlq == 20 and report.dlq >= 1, report
-    rows = ray.data.read_parquet(snapshot_uri(settings, report.snapshot_id), file_extensions=["parquet"])
+    rows = ray.data.read_parquet(
+        SnapshotStore.at(settings.uri()).uri(report.snapshot_id), file_extensions=["parquet"]
+    )
     assert len({(row["partition"], row["offset"]) for row in rows.take_all()}) == report.records
     assert sum(e - s for s, e in report.offsets.values()) == 20
     dlq_partitions = partitions_of(kafka, settings.dlq_topic)
@@ -157,5 +158,5 @@ def test_a_wrong_ca_fails_in_one_line_and_commits_nothing(tls_broker, tmp_path):
     assert len(lines) == 1, result.stderr
     assert "TLS handshake with Kafka failed" in lines[0] and "CERTIFICATE_VERIFY_FAILED" in lines[0], lines
     assert str(tls_broker.wrong_ca) in lines[0]
-    assert list_manifests(good) == []
+    assert SnapshotStore.at(good.uri()).manifests() == []
     assert all(offset < 0 for offset in committed_offsets(good, IngestConfig().group).values())

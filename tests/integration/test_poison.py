@@ -20,7 +20,7 @@ from app.config import IngestConfig
 from app.data import synth
 from app.data.ingest import ingest
 from app.data.records import SCHEMA_VERSION, record_headers
-from app.data.snapshot import data_file_uris, read_manifest
+from app.data.snapshot import SnapshotStore
 
 from conftest import TEST_IMAGE_SIZE
 
@@ -148,12 +148,13 @@ def test_every_poison_record_is_a_dead_letter_and_ingest_completes(settings, ray
     )
     assert report.snapshot_id and report.records == 20 and report.dlq == len(poison)
 
-    manifest = read_manifest(settings, report.snapshot_id)
+    snapshots = SnapshotStore.at(settings.uri())
+    manifest = snapshots.read_manifest(report.snapshot_id)
     assert manifest.records + manifest.dlq == len(records)
     assert sum(r.end - r.start for r in manifest.offsets.values()) == len(records)
     rows = [
         row
-        for uri in data_file_uris(settings, [manifest])
+        for uri in snapshots.data_file_uris([manifest])
         for row in pq.read_table(uri, columns=["partition", "offset", "event_time"]).to_pylist()
     ]
     assert Counter((r["partition"], r["offset"]) for r in rows) == Counter(good_at)  # each good one once

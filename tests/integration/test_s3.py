@@ -14,9 +14,9 @@ from app.config import IngestConfig, ProduceConfig, ServeConfig, TrainConfig
 from app.data import synth
 from app.data.ingest import ingest
 from app.data.produce import produce
-from app.data.snapshot import MANIFEST, list_manifests, read_rows, snapshot_uri
+from app.data.snapshot import MANIFEST, SnapshotStore, read_rows
 from app.net import free_port
-from app.storage import s3_client
+from app.storage import Store, s3_client
 
 from conftest import run_cli, settings_args
 
@@ -38,9 +38,14 @@ def keys(bucket: str, prefix: str) -> list[str]:
     )
 
 
+def manifests(settings) -> list:
+    return SnapshotStore.at(settings.uri()).manifests()
+
+
 def snapshot_coordinates(settings) -> list[tuple[int, int]]:
     """(partition, offset) of every row in every committed snapshot, read as train reads them."""
-    uris = [snapshot_uri(settings, m.snapshot_id) for m in list_manifests(settings)]
+    snapshots = SnapshotStore.at(settings.uri())
+    uris = [snapshots.uri(m.snapshot_id) for m in snapshots.manifests()]
     if not uris:
         return []
     table = read_rows(uris, ["partition", "offset"])
@@ -94,7 +99,7 @@ def test_ingest_killed_at_each_commit_step_reruns_exactly_on_s3(s3, s3_bucket, r
     args = ["ingest", *settings_args(s3), "--ray-address", ray.get_runtime_context().gcs_address]
     killed = run_cli(*args, env={"ARGUS_FAULT": fault})
     assert killed.returncode == 137, killed.stderr[-2000:]
-    committed_by_the_killed_run = list_manifests(s3)
+    committed_by_the_killed_run = manifests(s3)
     assert len(committed_by_the_killed_run) == (1 if fault == "before_commit" else 0)
 
     rerun = run_cli(*args)
@@ -103,7 +108,7 @@ def test_ingest_killed_at_each_commit_step_reruns_exactly_on_s3(s3, s3_bucket, r
     coordinates = snapshot_coordinates(s3)
     assert len(coordinates) == 30 and len(set(coordinates)) == 30
     snapshots = {k.split("/")[2] for k in keys(s3_bucket, "argus/snapshots/")}
-    assert snapshots == {m.snapshot_id for m in list_manifests(s3)}  # the uncommitted folder is gone
+    assert snapshots == {m.snapshot_id for m in manifests(s3)}  # the uncommitted folder is gone
 
 
 def test_a_corrupt_manifest_on_s3_is_quarantined_and_its_records_ingested_again(
@@ -117,7 +122,7 @@ def test_a_corrupt_manifest_on_s3_is_quarantined_and_its_records_ingested_again(
     second = ingest(s3, IngestConfig(), kafka)
     assert "corrupt manifest" in caplog.text
     assert second.snapshot_id and second.records == 12
-    assert [m.snapshot_id for m in list_manifests(s3)] == [second.snapshot_id]
+    assert [m.snapshot_id for m in manifests(s3)] == [second.snapshot_id]
     assert keys(s3_bucket, "argus/quarantine/")
     assert sorted(snapshot_coordinates(s3)) == sorted(set(snapshot_coordinates(s3)))
 
@@ -125,8 +130,8 @@ def test_a_corrupt_manifest_on_s3_is_quarantined_and_its_records_ingested_again(
 def test_the_lease_is_exclusive_on_s3_and_taken_over_only_after_it_expires(s3_bucket):
     from app.data.lease import Lease, LeaseHeld, LeaseLost
 
-    root = f"s3://{s3_bucket}/argus/leases/ingest-t"
-    first = Lease(root, ttl_s=2)
+    root = Store.at(f"s3://{s3_bucket}/argus/leases/ingest-t")
+    first = Lease(root, ttl_s=30)
     first.acquire()  # no heartbeat: a writer on another host that stalled
     with pytest.raises(LeaseHeld):
         Lease(root).acquire()
@@ -139,8 +144,10 @@ def test_the_lease_is_exclusive_on_s3_and_taken_over_only_after_it_expires(s3_bu
     )
     import time
 
-    time.sleep(2.2)
-    with Lease(root).held() as second:
+    def past_its_ttl() -> float:  # the next writer's clock: 31 s on, without waiting for them
+        return time.time() + 31
+
+    with Lease(root, clock=past_its_ttl).held() as second:
         assert second.generation == 2
         with pytest.raises(LeaseLost, match="taken over"):
             first.check()

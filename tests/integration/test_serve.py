@@ -6,10 +6,14 @@ import dataclasses
 import io
 import itertools
 import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import requests
@@ -17,10 +21,13 @@ import torch
 from PIL import Image
 
 from app import registry
-from app.config import ServeConfig
+from app.config import ServeConfig, Settings
 from app.data import synth
-from app.net import free_port
+from app.net import accepts, free_port
 from app.transform import preprocess
+
+from conftest import ROOT, child_env, run_cli
+from served import register_untrained
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +126,7 @@ def test_healthz_model_and_docs(trained, endpoint):
 
 def test_drift_is_found_in_shifted_traffic_only(trained, endpoint):
     from app.ops.drift import DriftConfig, drift, recent_traffic
+    from app.storage import Store
 
     settings, _, _, report, _ = trained
 
@@ -136,8 +144,8 @@ def test_drift_is_found_in_shifted_traffic_only(trained, endpoint):
             )
             assert answer.status_code == 200
             sent += 1
-        deadline = time.monotonic() + 30
-        while len(recent_traffic(settings, report.version, time.time() - started + 1, report.classes)) < sent:
+        deadline, traffic = time.monotonic() + 30, Store.at(settings.uri("traffic"))
+        while len(recent_traffic(traffic, report.version, time.time() - started + 1, report.classes)) < sent:
             assert time.monotonic() < deadline, "the traffic logs never held every request"
             time.sleep(0.2)
         return time.time() - started + 1
@@ -205,12 +213,155 @@ def test_promote_switches_versions_with_no_failed_request(trained, endpoint):
     assert set(versions[:switch]) == {report.version} and set(versions[switch:]) == {candidate}
 
 
+def _metric_sum(metrics_port: int, name: str, *labels: str) -> float:
+    """The sum of every series of `name` carrying all of `labels` (one per replica process)."""
+    text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=180).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and all(label in line for label in labels)
+    )
+
+
 def test_requests_are_counted_by_status_and_version(trained, endpoint, ray_cluster):
-    from conftest import scrape
+    from app.serve import wait_for_version
 
     _, _, _, report, _ = trained
-    requests.post(f"{endpoint}/predict", data=b"x", headers={"Content-Type": "text/plain"}, timeout=10)
-    lines = scrape(ray_cluster, "ray_argus_serve_requests_total", "ray_argus_serve_latency_seconds_bucket")
-    counts = lines["ray_argus_serve_requests_total"]
-    assert any('status="200"' in line and f'model_version="{report.version}"' in line for line in counts)
-    assert any('status="415"' in line for line in counts)
+    wait_for_version(endpoint, report.version)  # an earlier test may have just restored it
+    version = f'model_version="{report.version}"'
+    series = {
+        "200": ("ray_argus_serve_requests_total", 'status="200"', version),
+        "415": ("ray_argus_serve_requests_total", 'status="415"', version),
+        "latency": ("ray_argus_serve_latency_seconds_count", version),
+    }
+    before = {key: _metric_sum(ray_cluster, *labels) for key, labels in series.items()}
+    _, value = _png(11)
+    for _ in range(2):
+        ok = requests.post(
+            f"{endpoint}/predict", data=value, headers={"Content-Type": "image/png"}, timeout=30
+        )
+        assert ok.status_code == 200, ok.text
+    for _ in range(3):
+        refused = requests.post(
+            f"{endpoint}/predict", data=b"x", headers={"Content-Type": "text/plain"}, timeout=30
+        )
+        assert refused.status_code == 415, refused.text
+    expected = {"200": 2, "415": 3, "latency": 5}
+    deadline = time.monotonic() + 120  # replicas export every second; the agent may be slow to render
+    while True:
+        counted = {key: _metric_sum(ray_cluster, *labels) - before[key] for key, labels in series.items()}
+        if counted == expected or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert counted == expected
+
+
+def test_an_image_sent_as_octet_stream_gets_the_same_answer_as_a_multipart_jpeg(trained, endpoint):
+    _, _, _, report, _ = trained
+    _, value = _png(5)
+    jpeg = io.BytesIO()
+    Image.open(io.BytesIO(value)).convert("RGB").save(jpeg, format="JPEG", quality=90)
+    raw = requests.post(
+        f"{endpoint}/predict",
+        data=jpeg.getvalue(),
+        headers={"Content-Type": "application/octet-stream"},
+        timeout=30,
+    )
+    form = requests.post(
+        f"{endpoint}/predict", files={"image": ("x.jpg", jpeg.getvalue(), "image/jpeg")}, timeout=30
+    )
+    assert raw.status_code == 200 and form.status_code == 200, (raw.text, form.text)
+    raw_answer, form_answer = raw.json(), form.json()
+    assert raw_answer["model_version"] == form_answer["model_version"] == report.version
+    assert raw_answer["label"] == form_answer["label"]
+    assert raw_answer["scores"] == pytest.approx(form_answer["scores"], abs=1e-6)
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every process under `pid` now, as pid → start time (so a reused pid is not mistaken)."""
+    parents: dict[int, int] = {}
+    started: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            parents[int(entry.name)], started[int(entry.name)] = int(fields[1]), fields[19]
+    found, frontier = {}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, its_parent in parents.items():
+            if its_parent == parent and child not in found:
+                found[child] = started[child]
+                frontier.append(child)
+    return found
+
+
+def _alive(processes: dict[int, str]) -> list[int]:
+    alive = []
+    for pid, started in processes.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[19] == started and fields[0] != "Z":
+            alive.append(pid)
+    return alive
+
+
+@pytest.mark.slow
+def test_foreground_serve_follows_its_alias_and_stops_cleanly_on_sigterm(tmp_path):
+    """`python -m app serve --alias challenger` in the foreground, with its own Ray, as a user runs
+    it; `promote --alias challenger` moves only that alias and waits for it; SIGTERM ends it all."""
+    from app.serve import wait_for_version
+    from app.serve.rollout import recorded_deployment
+
+    settings = Settings(storage=str(tmp_path / "data"), image_size=32, model="cnn")
+    champion = register_untrained(settings)  # the first version gets `champion`
+    challenger = register_untrained(settings)
+    registry.promote(settings.tracking_uri, settings.model_name, challenger, alias="challenger")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "serve.log").open("w")
+    serving = subprocess.Popen(
+        [sys.executable, "-m", "app", "serve", "--storage", settings.storage, "--http-port", str(port),
+         "--alias", "challenger"],
+        stdout=log, stderr=subprocess.STDOUT, env=child_env(PYTHONPATH=str(ROOT)), cwd=ROOT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300  # its own Ray starting on a loaded machine
+        while f"serving on {url}" not in (output := (tmp_path / "serve.log").read_text()):  # once recorded
+            assert serving.poll() is None and time.monotonic() < deadline, output
+            time.sleep(1)
+        assert recorded_deployment(settings) == url
+        wait_for_version(url, challenger, timeout_s=60)
+        assert requests.get(f"{url}/model", timeout=10).json()["alias"] == "challenger"
+
+        newer = register_untrained(settings)
+        promoted = run_cli(
+            "promote", newer, "--alias", "challenger", "--storage", settings.storage, "--timeout-s", "180",
+            timeout=300,
+        )  # fmt: skip
+        assert promoted.returncode == 0, promoted.stderr[-3000:]
+        assert f"{settings.model_name}@challenger → v{newer}" in promoted.stdout
+        assert f"every replica (1) at {url} serves v{newer}" in promoted.stdout
+        assert registry.resolve(settings.tracking_uri, settings.model_name, "champion") == champion
+        assert requests.get(f"{url}/healthz", timeout=10).json()["model_version"] == newer
+
+        started = _descendants(serving.pid)  # Ray's GCS, raylet and workers, Serve's actors
+        assert started
+        serving.send_signal(signal.SIGTERM)
+        assert serving.wait(timeout=180) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    finally:
+        if serving.poll() is None:
+            serving.kill()
+            serving.wait()
+        log.close()
+    assert not accepts("127.0.0.1", port)
+    assert recorded_deployment(settings) is None
+    assert not (settings.local_storage_path / "serve" / "deployment.json").exists()
+    deadline = time.monotonic() + 60  # Ray reaps its workers just after the driver leaves
+    while _alive(started) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not _alive(started), [Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in _alive(started)]

@@ -75,6 +75,20 @@ def rollout_state(url: str) -> dict:
     return answer.json()
 
 
+def settled(url: str, version: str | None = None, timeout_s: float = 120) -> dict:
+    """/rollout once every replica reports (and, given `version`, serves it with its alias read):
+    on a loaded machine a late report leaves a replica out of the snapshot for a while."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = rollout_state(url)
+        replicas = state["replicas"]
+        on_version = version is None or all(r["alias_version"] == r["serving"] == version for r in replicas)
+        if len(replicas) == REPLICAS and on_version:
+            return state
+        assert time.monotonic() < deadline, state
+        time.sleep(0.5)
+
+
 def promote_cli(settings, version: str, *extra: str):
     return run_cli("promote", version, *extra, *settings_args(settings), timeout=300)
 
@@ -85,10 +99,10 @@ def test_every_replica_switches_together_with_no_failed_request(trained, fleet):
     candidate = register_copy(settings, old, "federated")
     record_deployment(settings, fleet, foreground=True)  # as `serve` does: plain promote waits on it
     with Traffic(fleet) as traffic:
-        time.sleep(1.5)
+        traffic.wait_for_answers()  # every client has seen the old version
         promoted = promote_cli(settings, candidate)
         served_when_promote_returned = sequential(fleet, 1)
-        time.sleep(0.5)
+        traffic.wait_for_answers()  # and, after promote returned, the new one
     assert promoted.returncode == 0, promoted.stderr[-3000:]
     assert f"every replica ({REPLICAS}) at {fleet} serves v{candidate}" in promoted.stdout
     assert served_when_promote_returned[0][0] == candidate
@@ -108,9 +122,8 @@ def test_every_replica_switches_together_with_no_failed_request(trained, fleet):
 
 def test_a_version_that_cannot_load_is_never_activated(trained, fleet, unloadable):
     settings, _, _, _, _ = trained
-    state = rollout_state(fleet)
+    state = settled(fleet)
     active, replicas = state["active_version"], [r["replica"] for r in state["replicas"]]
-    assert len(replicas) == REPLICAS
     try:
         failed = promote_cli(settings, unloadable, "--wait-url", fleet, "--timeout-s", "15")
         assert failed.returncode == 1, failed.stderr[-3000:]
@@ -132,7 +145,7 @@ def test_a_version_that_cannot_load_is_never_activated(trained, fleet, unloadabl
     finally:
         restored = promote_cli(settings, active, "--wait-url", fleet, "--timeout-s", "60")
         assert restored.returncode == 0, restored.stderr[-3000:]
-    assert all(r["alias_version"] == r["serving"] == active for r in rollout_state(fleet)["replicas"])
+    settled(fleet, active)  # promote returned at once (all served it): the alias is read within a poll
 
 
 def test_a_killed_replica_is_replaced_on_the_active_version(trained, fleet, unloadable):
@@ -141,7 +154,7 @@ def test_a_killed_replica_is_replaced_on_the_active_version(trained, fleet, unlo
     from app.serve import APPLICATION, DEPLOYMENT
 
     settings, _, _, _, _ = trained
-    state = rollout_state(fleet)
+    state = settled(fleet)
     active, before = state["active_version"], {r["replica"] for r in state["replicas"]}
     victim = sorted(before)[0]
     # The alias points at a version that cannot load: a replacement that followed the alias rather
@@ -149,7 +162,7 @@ def test_a_killed_replica_is_replaced_on_the_active_version(trained, fleet, unlo
     registry.promote(settings.tracking_uri, settings.model_name, unloadable)
     try:
         with Traffic(fleet) as traffic:
-            time.sleep(1.5)
+            traffic.wait_for_answers()
             replica = ray.get_actor(f"SERVE_REPLICA::{APPLICATION}#{DEPLOYMENT}#{victim}", namespace="serve")
             ray.kill(replica, no_restart=True)
             deadline = time.monotonic() + 180
@@ -165,11 +178,11 @@ def test_a_killed_replica_is_replaced_on_the_active_version(trained, fleet, unlo
                 time.sleep(0.5)
             else:
                 pytest.fail(f"no replacement serving v{active} within 180s: {live}")
-            time.sleep(2.0)  # traffic reaches the replacement too
+            replacement = ids - before
+            assert len(replacement) == 1
+            traffic.wait_for_replica(next(iter(replacement)))
     finally:
         registry.promote(settings.tracking_uri, settings.model_name, active)
-    replacement = ids - before
-    assert len(replacement) == 1
     failed = traffic.failed
     total = sum(map(len, traffic.answers))
     print(
@@ -201,10 +214,10 @@ def test_a_restarted_coordinator_carries_on_from_what_replicas_report(trained, f
     candidate = register_copy(settings, active, "after-restart")
     name = coordinator_name(APPLICATION, settings.tracking_uri, settings.model_name, "champion")
     with Traffic(fleet) as traffic:
-        time.sleep(1.0)
+        traffic.wait_for_answers()
         ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=False)  # back with no state
         promoted = promote_cli(settings, candidate, "--wait-url", fleet, "--timeout-s", "120")
-        time.sleep(0.5)
+        traffic.wait_for_answers()
     assert promoted.returncode == 0, promoted.stderr[-3000:]
     assert traffic.failed == [], traffic.failed[:5]
     traffic.assert_switched_once(active, candidate)

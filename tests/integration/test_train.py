@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from app.data.snapshot import read_manifest
+from app.data.snapshot import SnapshotStore
 from app.transform import normalize_pixels
 
 
@@ -24,7 +26,7 @@ def test_training_learns_and_registers_lineage(trained):
     version = client.get_model_version(settings.model_name, report.version)
     assert version.tags["training_kind"] == "ddp"
     assert version.tags["snapshot_ids"] == snapshot.snapshot_id
-    manifest = read_manifest(settings, snapshot.snapshot_id)
+    manifest = SnapshotStore.at(settings.uri()).read_manifest(snapshot.snapshot_id)
     offsets = json.loads(version.tags["kafka_offsets"])[snapshot.snapshot_id]
     assert offsets == {str(p): {"start": o.start, "end": o.end} for p, o in manifest.offsets.items()}
     assert json.loads(version.tags["classes"]) == report.classes == manifest.classes
@@ -53,47 +55,157 @@ def test_training_learns_and_registers_lineage(trained):
     assert not missing, f"not exported to Prometheus while training: {missing}"
 
 
-@pytest.mark.slow
-def test_elastic_worker_group_starts_with_what_fits(trained):
-    """`--num-workers 1-4` at 0.8 CPU a worker on 2 logical CPUs: Ray Train starts the 2 that fit."""
-    from app.config import TrainConfig
+# Each run below checks several things, so the module trains as few times as it can: one elastic
+# run with grad accumulation and the balancing sampler, two one-epoch runs of the fixture's
+# configuration (same seed: equal; one resumed by name; one judged for promotion) and one killed run.
+
+
+@pytest.fixture(scope="module")
+def varied(trained):
+    """`--num-workers 1-4` at 0.8 CPU a worker on 2 logical CPUs, `--grad-accum 2`, `--balance
+    sampler`, over two epochs: (the report, the run's last checkpoint)."""
     from app.train import train
 
-    settings, _, _, _, _ = trained
-    report = train(
-        settings,
-        TrainConfig(
-            epochs=1,
-            num_workers="1-4",
-            cpus_per_worker=0.8,
-            batch_size=32,
-            max_failures=0,
-            run_name="elastic",
-        ),
+    cfg = dataclasses.replace(
+        trained.train_config,
+        epochs=2,
+        num_workers="1-4",
+        cpus_per_worker=0.8,
+        grad_accum=2,
+        balance="sampler",
+        run_name="elastic-accumulating-sampler",
     )
+    return train(trained.settings, cfg), _last_checkpoint(trained.settings, cfg.run_name)
+
+
+@pytest.fixture(scope="module")
+def one_epoch(trained):
+    """Two one-epoch runs of the fixture's configuration under different names, the second asking
+    `--promote-if-better`: (the first report, the second report)."""
+    from app.train import train
+
+    cfg = dataclasses.replace(trained.train_config, epochs=1)
+    first = train(trained.settings, dataclasses.replace(cfg, run_name="resumable"))
+    candidate = train(
+        trained.settings, dataclasses.replace(cfg, promote_if_better=True, run_name="one-epoch-candidate")
+    )
+    return first, candidate
+
+
+@pytest.mark.slow
+def test_elastic_worker_group_starts_with_what_fits(varied):
+    """`1-4` workers at 0.8 CPU on 2 logical CPUs: Ray Train starts the 2 that fit."""
+    report, _ = varied
     assert report.metrics["workers"] == 2, report.metrics
 
 
 @pytest.mark.slow
-def test_same_seed_same_metrics(trained):
-    from app.train import train
+def test_grad_accum_steps_the_optimizer_once_per_window(trained, varied):
+    """`--grad-accum 2` under Ray Train: each epoch the optimiser (its own step count, saved in the
+    checkpoint) steps ceil(micro-batches / 2) times, and the schedule with it."""
+    _, checkpoint = varied
+    history = checkpoint["history"]
+    assert [row["epoch"] for row in history] == [0, 1]
+    steps_before = 0
+    for row in history:
+        per_rank = sum(row["train_examples_per_class"]) / row["workers"]
+        assert row["micro_batches"] == math.ceil(per_rank / trained.train_config.batch_size) > 2, row
+        assert row["steps"] - steps_before == math.ceil(row["micro_batches"] / 2), history
+        steps_before = row["steps"]
+    optimizer_steps = {int(s["step"]) for s in checkpoint["optimizer"]["state"].values()}
+    assert optimizer_steps == {history[-1]["steps"]}
 
-    settings, _, train_config, report, _ = trained
-    again = train(settings, train_config)
-    assert again.metrics["val_accuracy"] == report.metrics["val_accuracy"]
-    assert again.metrics["train_loss"] == pytest.approx(report.metrics["train_loss"], rel=1e-6)
-    assert again.checksum == report.checksum
+
+def _off_even(counts) -> float:
+    """The largest relative distance of a class's share from an even share (0: perfectly even)."""
+    shares = np.asarray(counts) / np.sum(counts)
+    return float(np.abs(shares * len(shares) - 1).max())
 
 
 @pytest.mark.slow
-def test_killed_worker_resumes_from_checkpoint(trained, tmp_path):
+def test_balance_sampler_reaches_the_workers_and_evens_out_the_classes(trained, varied):
+    """`--balance sampler` under Ray Train: the rarest class of the training slice is shown well
+    above its share, and the classes come out more even than the data, which the default (a
+    weighted loss) shows as it is. Resampling keeps the number of examples an epoch shows. (The
+    weights are the whole snapshot's, not this slice's, so the run is not exactly even: the next
+    test checks the balance itself.)"""
+    _, checkpoint = varied
+    data = np.asarray(trained.report.metrics["train_examples_per_class"])
+    shown = np.sum([row["train_examples_per_class"] for row in checkpoint["history"]], axis=0)
+    assert all(sum(row["train_examples_per_class"]) == data.sum() for row in checkpoint["history"])
+    assert _off_even(data) > 0.4, data  # skewed enough to tell the sampler's work from noise
+    rarest = data.argmin()
+    assert shown[rarest] / shown.sum() > 1.25 * data[rarest] / data.sum(), (shown, data)
+    assert _off_even(shown) < _off_even(data), (shown, data)
+
+
+def test_sampler_batches_show_skewed_classes_evenly(ray_cluster):
+    """The sampler itself, over many batches of a Ray dataset skewed 1:10 between classes, with the
+    class weights `train` computes from such counts: every class is shown about equally often."""
+    from types import SimpleNamespace
+
+    import ray.data
+
+    from app.train.data import class_weights
+    from app.train.loop import WorkerConfig, _batches
+
+    classes = tuple("abcdef")
+    counts = [50, 100, 200, 300, 400, 500]
+    labels = np.random.default_rng(0).permutation(np.repeat(np.arange(len(classes)), counts))
+    shard = ray.data.from_items([{"features": np.zeros(4, np.float32), "label_index": k} for k in labels])
+    weights = class_weights([SimpleNamespace(label_counts=dict(zip(classes, counts)))], list(classes))
+    cfg = WorkerConfig(
+        run_name="sampler",
+        model="cnn",
+        features=True,
+        backbone_weights=None,
+        classes=classes,
+        epochs=1,
+        batch_size=32,
+        lr=1e-3,
+        weight_decay=0.0,
+        label_smoothing=0.0,
+        warmup_fraction=0.0,
+        train_records=len(labels),
+        seed=0,
+        amp="off",
+        grad_accum=1,
+        balance="sampler",
+        augment="none",
+        class_weights=tuple(weights),
+        snapshot_ids=(),
+        threads=1,
+        fail_at_epoch=None,
+        fault_marker="",
+        steps_per_epoch_hint=1,
+    )
+    shown = np.zeros(len(classes), dtype=np.int64)
+    for epoch_seed in range(3):
+        for _, targets in _batches(shard, cfg, torch.device("cpu"), epoch_seed, training=True):
+            shown += np.bincount(targets.numpy(), minlength=len(classes))
+    assert shown.sum() == 3 * len(labels)
+    assert _off_even(counts) > 0.8 and _off_even(shown) < 0.25, shown
+
+
+@pytest.mark.slow
+def test_same_seed_same_metrics(one_epoch):
+    first, again = one_epoch
+    assert again.metrics["val_accuracy"] == first.metrics["val_accuracy"]
+    assert again.metrics["train_loss"] == pytest.approx(first.metrics["train_loss"], rel=1e-6)
+    assert again.checksum == first.checksum
+
+
+@pytest.mark.slow
+def test_killed_worker_resumes_from_checkpoint(trained):
     """Rank 1 dies mid-epoch 1: the group restarts from epoch 0's checkpoint. Resumption, not a
     silent restart from scratch: epoch 0 finished before the fault and is kept as it was, each
     epoch is trained once, and the schedule's step count carries on."""
     from app.train import train
 
-    settings, _, train_config, _, _ = trained
-    cfg = dataclasses.replace(train_config, epochs=3, fail_at_epoch=1, max_failures=1, run_name="fault-run")
+    settings = trained.settings
+    cfg = dataclasses.replace(
+        trained.train_config, epochs=3, fail_at_epoch=1, max_failures=1, run_name="fault-run"
+    )
     report = train(settings, cfg)
     assert report.epochs == 3
     marker = f"{settings.uri('checkpoints', 'train')}/fault-run/.fault-fired"
@@ -106,41 +218,49 @@ def test_killed_worker_resumes_from_checkpoint(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_rerun_with_the_same_name_resumes(trained):
+def test_rerun_with_the_same_name_resumes(trained, one_epoch):
     from app.train import train
 
-    settings, _, train_config, _, _ = trained
-    first = train(settings, dataclasses.replace(train_config, epochs=1, run_name="resumable"))
+    first, _ = one_epoch
     # A different seed would change every epoch it retrained; epoch 0 must come from the first run.
-    second = train(settings, dataclasses.replace(train_config, epochs=2, run_name="resumable", seed=99))
+    second = train(
+        trained.settings, dataclasses.replace(trained.train_config, epochs=2, run_name="resumable", seed=99)
+    )
     assert second.epochs == 2
-    history = json.loads(open(_artifact(settings, second.run_id, "history.json")).read())
+    history = json.loads(open(_artifact(trained.settings, second.run_id, "history.json")).read())
     assert history[0]["checksum"] == first.checksum and history[1]["checksum"] != first.checksum
 
 
 @pytest.mark.slow
-def test_promotion_is_judged_on_the_test_slice(trained):
-    """A worse candidate (one epoch at a tiny learning rate) is registered but keeps the champion;
-    the comparison's figures, on the slice that picked neither model, are on its run."""
+def test_promotion_is_judged_on_the_test_slice(trained, one_epoch):
+    """A worse candidate (one epoch against the champion's five) is registered but keeps the
+    champion; the comparison's figures, on the slice that picked neither model, are on its run."""
     import mlflow
 
     from app import registry
-    from app.train import train
 
-    settings, _, train_config, _, _ = trained
-    champion = registry.resolve(settings.tracking_uri, settings.model_name, "champion")
-    weak = dataclasses.replace(
-        train_config, epochs=1, lr=1e-6, promote_if_better=True, run_name="weak-candidate"
-    )
-    report = train(settings, weak)
+    settings = trained.settings
+    _, report = one_epoch
     verdict = report.verdict
-    assert not verdict.promoted and verdict.champion_version == champion
+    assert not verdict.promoted and verdict.champion_version == trained.report.version
     assert verdict.candidate_accuracy == report.metrics["test_accuracy"]
     assert verdict.champion_accuracy > verdict.candidate_accuracy
-    assert registry.resolve(settings.tracking_uri, settings.model_name, "champion") == champion
+    assert registry.resolve(settings.tracking_uri, settings.model_name, "champion") == trained.report.version
     mlflow.set_tracking_uri(settings.tracking_uri)
     metrics = mlflow.MlflowClient().get_run(report.run_id).data.metrics
     assert metrics["promoted"] == 0 and metrics["champion_test_accuracy"] == verdict.champion_accuracy
+
+
+def _last_checkpoint(settings, run_name: str) -> dict:
+    """The newest epoch's checkpoint of a run, as `app.train.checkpoint` reads it."""
+    from ray.train import Checkpoint
+
+    from app.train.checkpoint import CHECKPOINT_FILE, load_checkpoint
+
+    run = Path(settings.uri("checkpoints", "train"), run_name)
+    states = [load_checkpoint(Checkpoint.from_directory(str(f.parent))) for f in run.rglob(CHECKPOINT_FILE)]
+    assert states, f"no checkpoint under {run}"
+    return max(states, key=lambda state: state["epoch"])
 
 
 def _artifact(settings, run_id: str, name: str) -> str:
@@ -159,7 +279,6 @@ def test_feature_snapshot_trains_a_head_that_serves_images(settings, ray_cluster
     from app.config import IngestConfig, ProduceConfig, TrainConfig
     from app.data.ingest import ingest
     from app.data.produce import produce
-    from app.data.snapshot import snapshot_uri
     from app.train import train
 
     produce(
@@ -172,7 +291,7 @@ def test_feature_snapshot_trains_a_head_that_serves_images(settings, ray_cluster
     loaded = registry.load(settings.tracking_uri, settings.model_name, report.version)
     assert loaded.card.features and loaded.card.arch == "resnet50"
     rows = ray.data.read_parquet(
-        snapshot_uri(settings, snapshot.snapshot_id), file_extensions=["parquet"]
+        SnapshotStore.at(settings.uri()).uri(snapshot.snapshot_id), file_extensions=["parquet"]
     ).take(3)
     with torch.inference_mode():
         from_features = loaded.model(torch.stack([torch.as_tensor(r["features"]) for r in rows]))
@@ -184,7 +303,7 @@ def test_feature_snapshot_trains_a_head_that_serves_images(settings, ray_cluster
 @pytest.mark.slow
 def test_a_snapshot_keeping_sources_trains_at_another_size(settings, ray_cluster):
     """--keep-source: the encoded images ride along in the snapshot, so a model at a new image
-    size trains from it without Kafka (`select_snapshots` refuses another size without them)."""
+    size trains from it without Kafka (`SnapshotStore.select` refuses another size without them)."""
     from app import registry
     from app.config import IngestConfig, ProduceConfig, TrainConfig
     from app.data.ingest import ingest
@@ -197,7 +316,7 @@ def test_a_snapshot_keeping_sources_trains_at_another_size(settings, ray_cluster
         settings.kafka_connection(),
     )
     snapshot = ingest(settings, IngestConfig(keep_source=True), settings.kafka_connection())
-    manifest = read_manifest(settings, snapshot.snapshot_id)
+    manifest = SnapshotStore.at(settings.uri()).read_manifest(snapshot.snapshot_id)
     assert manifest.source and manifest.image_size == settings.image_size
     smaller = dataclasses.replace(settings, image_size=16)
     report = train(smaller, TrainConfig(epochs=1, num_workers=1, batch_size=16, max_failures=0))

@@ -26,8 +26,9 @@ from app.data import synth
 from app.data.compact import folder_owner
 from app.data.ingest import ingest
 from app.data.kafka import ensure_topics
+from app.data.manifest import live_manifests
 from app.data.records import record_headers
-from app.data.snapshot import list_manifests, live_manifests, read_rows, select_snapshots, snapshot_uri
+from app.data.snapshot import SnapshotStore, read_rows
 from app.data.watch import WatchConfig, measure_lag, watch
 
 from conftest import ROOT, MetricsWatcher, child_env, scrape, settings_args
@@ -56,12 +57,17 @@ def send(settings, n: int, seed: int) -> list[tuple[int, int]]:
     return [(f.get().partition, f.get().offset) for f in futures]
 
 
+def list_manifests(settings) -> list:
+    return SnapshotStore.at(settings.uri()).manifests()
+
+
 def live_offsets(settings) -> list[tuple[int, int]]:
     """(partition, offset) of every row in the live snapshots, duplicates kept."""
-    live = [m for m in live_manifests(list_manifests(settings)) if m.files]
+    snapshots = SnapshotStore.at(settings.uri())
+    live = [m for m in live_manifests(snapshots.manifests()) if m.files]
     if not live:
         return []
-    table = read_rows([snapshot_uri(settings, m.snapshot_id) for m in live], ["partition", "offset"])
+    table = read_rows([snapshots.uri(m.snapshot_id) for m in live], ["partition", "offset"])
     return list(zip(table.column("partition").to_pylist(), table.column("offset").to_pylist()))
 
 
@@ -159,7 +165,7 @@ def test_watch_keeps_one_actor_pool_commits_parts_and_compacts_each_offset_once(
     assert len(compacted) == 1 and len(compacted[0].supersedes) >= 2
     assert not set(compacted[0].supersedes) & {m.snapshot_id for m in parts}  # grace 0: deleted
     assert sorted(live_offsets(settings)) == sorted(expected)  # each offset exactly once
-    trained_on = select_snapshots(settings, None)
+    trained_on = SnapshotStore.at(settings.uri()).select(settings.topic, settings.image_size, None)
     assert compacted[0].snapshot_id in {m.snapshot_id for m in trained_on}
     assert not set(compacted[0].supersedes) & {m.snapshot_id for m in trained_on}
 
@@ -400,22 +406,32 @@ def test_two_watchers_share_partitions_and_a_killed_ones_move_to_the_other_each_
 
 
 def test_a_part_whose_partition_lease_was_taken_over_is_not_committed(settings, ray_cluster):
+    from app.data.ingest import ingest_lease, write_spec
     from app.data.lease import Lease, SharedLease
-    from app.data.stream import Part, Restart, Stream
+    from app.data.partitions import Partitions, Restart
+    from app.data.parts import Part, PartPipeline
 
-    hold = SharedLease(settings.uri("leases", f"ingest-{settings.topic}"))
+    snapshots = SnapshotStore.at(settings.uri())
+    hold = SharedLease(ingest_lease(snapshots.store, settings.topic).store)
+    kafka = settings.kafka_connection()
     with hold.held():
-        stream = Stream(
-            settings, WatchConfig(), IngestConfig(), settings.kafka_connection(), hold, threading.Event()
+        partitions = Partitions(snapshots, kafka, settings.topic, hold, strict=False)
+        pipeline = PartPipeline(
+            snapshots, write_spec(settings, IngestConfig()), IngestConfig(), kafka, hold.owner
         )
-        assert stream._take([0]) == [0]
-        lease = stream.owned[0]
+        assert partitions.take([0]) == [0]
+        lease = partitions.owned[0]
         lease.release()  # as if it had expired while this watch stalled...
-        Lease(lease.root_uri).acquire()  # ...and another watch took the partition over
+        Lease(lease.store).acquire()  # ...and another watch took the partition over
         # A part cut before the stall: retention's losses only, so it needs no preprocessing.
-        stream.in_flight.append(Part("snap-x-wy-part", {0: (5, 5)}, {}, {0: 5}, [], None, 0, {}, 0.0))
+        pipeline.in_flight.append(Part("snap-x-wy-part", {0: (5, 5)}, {}, {0: 5}, [], None, 0, {}, 0.0))
+        committed = []
         with pytest.raises(Restart, match="taken over"):
-            stream._commit_ready()
+            pipeline.commit_ready(
+                lambda part: partitions.fence(part.ranges), lambda *done: committed.append(done)
+            )
+        assert not committed and len(pipeline.in_flight) == 1
+        partitions.release_all()
     assert not list_manifests(settings)
 
 

@@ -1,16 +1,21 @@
-"""The CLI's contract: every command in --help; bad input exits 2 with one clear line."""
+"""The CLI's contract: every command in --help; bad input exits 2 with one clear line. In this
+process through `app.__main__.main`, except the one test of the installed `argus` entry point."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import ROOT, child_env
 
 NEEDS_NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 COMMANDS = ["demo", "broker", "produce", "ingest", "train", "federate", "serve", "promote", "watch", "drift"]
 
 
-def test_help_lists_every_contract_command():
-    result = run_cli("--help")
+def test_help_lists_every_contract_command(cli):
+    result = cli("--help")
     assert result.returncode == 0
     for command in COMMANDS:
         assert f"    {command} " in result.stdout, command
@@ -38,8 +43,8 @@ def test_help_lists_every_contract_command():
         (["frobnicate"], "invalid choice"),
     ],
 )
-def test_bad_input_exits_2_with_one_line(args, message):
-    result = run_cli(*args, timeout=60)
+def test_bad_input_exits_2_with_one_line(cli, args, message):
+    result = cli(*args)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -47,11 +52,20 @@ def test_bad_input_exits_2_with_one_line(args, message):
     assert "s3cret" not in result.stderr + result.stdout
 
 
-def test_environment_variables_configure_and_are_validated():
-    result = run_cli(
-        "produce", "--synthetic", "3", env={"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"}, timeout=60
+def test_the_installed_argus_script_runs_the_cli():
+    """The `argus` console script (pyproject's [project.scripts]) in a process of its own, as a
+    user runs it: help, and a bad argument's one line with exit 2."""
+    argus = Path(sys.executable).parent / "argus"
+    assert argus.exists(), f"{argus} missing: `pip install -e .` installs it"
+    env = child_env()
+    shown = subprocess.run([argus, "--help"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("usage: argus ") and all(f"    {c} " in shown.stdout for c in COMMANDS)
+    refused = subprocess.run(
+        [argus, "train", "--epochs", "0"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
     )
-    assert result.returncode == 2 and "127.0.0.1:1" in result.stderr
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.strip().splitlines() == ["argus: error: --epochs must be >= 1, got 0"]
 
 
 def test_ray_logs_go_to_files_unless_verbose(monkeypatch):

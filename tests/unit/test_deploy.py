@@ -1,18 +1,18 @@
 """Deployment files: kuberay/*.yaml, cluster.yaml, Dockerfile.
 
 The KubeRay manifests are validated against the KubeRay v1 CRD schemas, read from
-$ARGUS_KUBERAY_SCHEMAS or ../shared/schemas/kuberay/ (skipped when neither exists).
+$ARGUS_KUBERAY_SCHEMAS or ../shared/schemas/kuberay/ (skipped when neither exists, failed under CI).
 Validation is strict: an unknown field, which the API server would silently prune, fails
 too. The Serve config inside the RayService is checked with Ray Serve's own schema and
-against app/serve/replica.py; cluster.yaml with the cluster launcher's own validation. Every Ray
-version in these files must be the installed one. Offline and fast:
+against the application `app.serve:build_app` builds from it; cluster.yaml with the cluster
+launcher's own validation. Every Ray version in these files must be the installed one. Offline and fast:
 
-    python -m pytest tests/test_deploy.py -q
+    python -m pytest tests/unit/test_deploy.py -q
 """
 
-import ast
 import copy
-import importlib.util
+import importlib
+import inspect
 import json
 import os
 import re
@@ -24,8 +24,11 @@ import jsonschema
 import pytest
 import ray
 import yaml
+from ray import serve
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
+
+from conftest import missing_dependency
 
 REPO = Path(__file__).resolve().parents[2]
 KUBERAY = REPO / "kuberay"
@@ -78,7 +81,7 @@ def schema_dir() -> Path:
     for d in candidates:
         if d.is_dir():
             return d
-    pytest.skip(
+    missing_dependency(
         "KubeRay CRD schemas not found "
         f"(set ARGUS_KUBERAY_SCHEMAS; looked in {', '.join(map(str, candidates))})"
     )
@@ -397,18 +400,31 @@ def test_broken_serve_config_fails(mutate):
 
 
 def test_serve_config_matches_app_code(monkeypatch):
-    source = REPO / "app" / "serve.py"
-    if not source.exists():
-        pytest.skip("app/serve/replica.py not written yet")
-    module, attr = SERVE_IMPORT_PATH.split(":")
-    monkeypatch.syspath_prepend(str(REPO))
-    assert importlib.util.find_spec(module) is not None
-    tree = ast.parse(source.read_text())
-    builders = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == attr]
-    assert builders, f"app/serve/replica.py defines no top-level {attr}()"
-    names = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
-    names |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
-    assert SERVE_DEPLOYMENT in names, f"app/serve/replica.py has no deployment named {SERVE_DEPLOYMENT}"
+    """The Serve config builds Argus's application as Serve's controller does (its import path's
+    builder called with its args; no cluster needed) and tunes the deployment that application has."""
+    monkeypatch.delenv("ARGUS_API_TOKENS", raising=False)  # build_app would read that file
+    config = ServeDeploySchema.model_validate(serve_config())
+    (app_config,) = config.applications
+    module, attr = app_config.import_path.split(":")
+    application = getattr(importlib.import_module(module), attr)(app_config.args)
+    assert isinstance(application, serve.Application)
+    deployment = application._bound_deployment  # Serve names no public accessor for it
+
+    # Serve refuses settings for a deployment the application does not have.
+    (tuning,) = app_config.deployments
+    assert tuning.name == deployment.name == SERVE_DEPLOYMENT
+    # Every arg reaches the replica's constructor, which takes them all, with the config's value.
+    init = inspect.signature(deployment.func_or_class).bind(*deployment.init_args, **deployment.init_kwargs)
+    for key, value in app_config.args.items():
+        assert init.arguments[key] == value, key
+    # The settings apply to that deployment (Serve's own checks) and leave the code's other ones.
+    settings = tuning.model_dump(exclude_unset=True, exclude={"name"})
+    tuned = deployment.options(**settings)
+    assert tuned.max_ongoing_requests == settings["max_ongoing_requests"] >= init.arguments["max_batch_size"]
+    assert tuned.ray_actor_options == settings["ray_actor_options"]
+    autoscaling = tuned._deployment_config.autoscaling_config
+    assert autoscaling.max_replicas == settings["autoscaling_config"]["max_replicas"]
+    assert tuned.max_queued_requests == deployment.max_queued_requests
 
 
 # --- cluster.yaml (Ray cluster launcher) --------------------------------------------------

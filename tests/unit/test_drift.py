@@ -1,5 +1,5 @@
 """Drift detection (app/ops/drift.py) without Ray: the MMD two-sample test, the traffic-log reader's
-distrust of what it reads, and the replicas' log writer (app/serve/replica.py's TrafficLog) on local disk."""
+distrust of what it reads, and the replicas' log writer (app/serve/traffic.py's TrafficLog) on local disk."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from app.config import Settings
-from app.ops.drift import MAX_LINE_BYTES, STATISTICS, DriftReport, OutputTest, mmd_test, recent_traffic
+from app.ops.drift import MAX_LINE_BYTES, STATISTICS, DriftReport, OutputTest, recent_traffic
+from app.ops.two_sample import mmd_test
+from app.storage import Store
 
 CLASSES = ["a", "b", "c"]
 
@@ -72,9 +73,9 @@ def _row(**overrides) -> dict:
 
 
 def test_the_traffic_reader_skips_malformed_rows_and_keeps_the_rest(tmp_path, caplog):
-    settings = Settings(storage=str(tmp_path))
     logs = tmp_path / "traffic"
     logs.mkdir()
+    traffic = Store.at(str(logs))
     good = [_row(), _row(label="a"), {k: v for k, v in _row().items() if k != "probabilities"}]
     bad = [
         b'{"time": 1, "model_vers',  # cut short
@@ -101,16 +102,16 @@ def test_the_traffic_reader_skips_malformed_rows_and_keeps_the_rest(tmp_path, ca
     (logs / "replica-1-000000.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     (logs / "replica-2-000000.jsonl").write_text(json.dumps(good[2]) + "\n" + "\n".join(elsewhere) + "\n")
     (logs / "notes.txt").write_text(json.dumps(_row()) + "\n")  # not a traffic log
-    rows = recent_traffic(settings, "1", 3600, CLASSES)
+    rows = recent_traffic(traffic, "1", 3600, CLASSES)
     assert sorted(row.label for row in rows) == ["a", "b", "b"]
     assert sorted(row.probabilities is None for row in rows) == [False, False, True]
     assert all(row.model_version == "1" and set(row.statistics) == set(STATISTICS) for row in rows)
     assert f"skipped {len(bad)} malformed traffic-log rows" in caplog.text
-    assert len(recent_traffic(settings, "1", 3600, CLASSES, max_rows=1)) == 1
+    assert len(recent_traffic(traffic, "1", 3600, CLASSES, max_rows=1)) == 1
 
 
 def test_the_traffic_reader_finds_nothing_where_no_replica_logged(tmp_path):
-    assert recent_traffic(Settings(storage=str(tmp_path)), "1", 3600, CLASSES) == []
+    assert recent_traffic(Store.at(str(tmp_path / "traffic")), "1", 3600, CLASSES) == []
 
 
 def test_the_traffic_log_writes_immutable_objects_the_reader_reads(tmp_path, monkeypatch):
@@ -119,21 +120,24 @@ def test_the_traffic_log_writes_immutable_objects_the_reader_reads(tmp_path, mon
     from app.serve import TrafficLog
 
     monkeypatch.setattr(TrafficLog, "FLUSH_ROWS", 3)
-    settings = Settings(storage=str(tmp_path))
-    log = TrafficLog(settings.uri("traffic"), "r1")
+    monkeypatch.setattr(TrafficLog, "FLUSH_S", 3600.0)  # no timed flush: only a full buffer flushes
+    logs = tmp_path / "traffic"
+    log = TrafficLog(str(logs), "r1")
     answer = {"label": "c", "scores": {"a": 0.12346, "b": 0.2, "c": 0.67654}, "model_version": "1"}
     tensor = torch.zeros(3, 4, 4)
-    for _ in range(3):  # FLUSH_ROWS: written at once, not at the next tick
+    for _ in range(2):
         log.record(tensor, answer)
-    deadline = time.monotonic() + 1.5
-    while not list((tmp_path / "traffic").glob("*.jsonl")) and time.monotonic() < deadline:
+    log.record(tensor, answer)  # the FLUSH_ROWS-th row wakes the writer, long before FLUSH_S
+    deadline = time.monotonic() + 60
+    while not list(logs.glob("*.jsonl")):
+        assert time.monotonic() < deadline, "a full buffer was never written"
         time.sleep(0.05)
-    assert len(list((tmp_path / "traffic").glob("r1-*-000000.jsonl"))) == 1
+    assert [len(o.read_text().splitlines()) for o in logs.glob("r1-*-000000.jsonl")] == [3]
     log.record(tensor, answer)
     log.close()  # what is buffered is written on shutdown, as a new object
-    objects = sorted((tmp_path / "traffic").glob("r1-*.jsonl"))
+    objects = sorted(logs.glob("r1-*.jsonl"))
     assert [o.name.rsplit("-", 1)[1] for o in objects] == ["000000.jsonl", "000001.jsonl"]
-    rows = recent_traffic(settings, "1", 60, CLASSES)
+    rows = recent_traffic(Store.at(str(logs)), "1", 60, CLASSES)
     assert len(rows) == 4 and {row.probabilities for row in rows} == {(0.1235, 0.2, 0.6765)}
 
 
@@ -144,3 +148,11 @@ def test_an_output_p_value_outside_0_1_is_a_configuration_error(p_value):
 
     with pytest.raises(ConfigError, match="--output-p-value"):
         DriftConfig(output_p_value=p_value)
+
+
+def test_the_retraining_job_ships_the_folder_python_m_app_runs_from():
+    """The job's working dir is what `ray job submit` uploads and the job's cwd: it must hold the
+    `app` package, or `python -m app` finds nothing on a cluster whose nodes lack this checkout."""
+    from app.ops.drift import _project_root
+
+    assert (_project_root() / "app" / "__main__.py").is_file()

@@ -14,15 +14,8 @@ from flwr.serverapp import GaussianPrivacyEvent
 from app import model as core
 from app.fl import FederateConfig
 from app.fl.grid import RoundTraffic, assign_message_id, stamp_task_identity
-from app.fl.server_app import (
-    Federation,
-    GaussianAccountant,
-    _seeded,
-    build_server_app,
-    build_strategy,
-    fresh_generator,
-    private_mean,
-)
+from app.fl.privacy import GaussianAccountant, fresh_generator, private_mean
+from app.fl.server_app import Federation, _seeded, build_server_app, build_strategy
 from app.fl.task import model_arrays
 
 stamp_task_identity()  # as a running ServerApp has

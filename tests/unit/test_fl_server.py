@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import numpy as np
 import pytest
@@ -17,7 +18,8 @@ from app import model as core
 from app.errors import ConfigError
 from app.fl import FederateConfig
 from app.fl.grid import assign_message_id, stamp_task_identity
-from app.fl.server_app import RDP_ORDERS, GaussianAccountant, build_strategy
+from app.fl.privacy import RDP_ORDERS, GaussianAccountant
+from app.fl.server_app import build_strategy
 from app.fl.task import ClientData, ProximalLoss, local_train, partition_users
 
 stamp_task_identity()  # as a running ServerApp has
@@ -74,8 +76,9 @@ def test_fedavg_of_hand_made_updates_is_the_example_weighted_mean_exactly():
             expected = weighted / sum(examples)
             assert arrays[key].numpy().dtype == np.float32  # fp16 on the wire, fp32 in aggregation
             assert np.array_equal(arrays[key].numpy(), expected.astype(np.float32)), key
-    # The weights are the server's count of each client's rows, not the clients' claims.
-    known = {1: (1, 0), 2: (3, 0), 3: (4, 0)}
+    # Where the server knows each client's (training, validation) rows, the training count weighs:
+    # a claim that differs from it is rejected (test_fl_malformed.py), never weighed.
+    known = {1: (1, 9), 2: (3, 9), 3: (4, 9)}
     typed = [{k: v.astype(np.float16) for k, v in d.items()} for d in deltas]
     arrays, _ = _strategy(3, known).aggregate_train(1, _replies(typed, examples))
     weighted = sum(n * (GLOBAL["w"].astype(np.float64) + d["w"]) for d, n in zip(deltas, examples))
@@ -147,20 +150,21 @@ def test_users_are_dealt_whole_and_every_client_gets_some():
 
 
 @pytest.mark.parametrize(
-    "bad",
+    ("bad", "names"),
     [
-        dict(clients_per_round=11),
-        dict(strategy="fedsgd"),
-        dict(dp_noise=1.0),
-        dict(strategy="fedprox", mu=0.0),
-        dict(update_dtype="int8"),
-        dict(inject_faults=("12:nan",)),
-        dict(num_cpus_per_client=0),
-        dict(min_clients=6),
-        dict(augment="heavy"),
-        dict(client_sampling="bernoulli"),
+        (dict(clients_per_round=11), "--clients-per-round"),
+        (dict(strategy="fedsgd"), "--strategy"),
+        (dict(dp_noise=1.0), "--dp-noise needs --dp-clip"),
+        (dict(strategy="fedprox", mu=0.0), "fedprox needs --mu"),
+        (dict(update_dtype="int8"), "--update-dtype"),
+        (dict(inject_faults=("12:nan",)), "fault '12:nan'"),
+        (dict(num_cpus_per_client=0), "--num-cpus-per-client"),
+        (dict(min_clients=6), "--min-clients"),
+        (dict(augment="heavy"), "--augment"),
+        (dict(client_sampling="bernoulli"), "--client-sampling"),
     ],
 )
-def test_bad_configuration_is_a_config_error(bad):
-    with pytest.raises(ConfigError):
+def test_bad_configuration_is_a_config_error_naming_the_flag(bad, names):
+    FederateConfig()  # the defaults are valid: each error below is the bad value's own
+    with pytest.raises(ConfigError, match=re.escape(names)):
         FederateConfig(**bad)

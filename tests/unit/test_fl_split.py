@@ -17,7 +17,8 @@ from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY
 from app import model as core
 from app import storage
 from app.config import Settings
-from app.data.snapshot import DataFile, WriteStats, build_manifest, commit, snapshot_uri
+from app.data.manifest import DataFile, WriteSpec, WriteStats, build_manifest
+from app.data.snapshot import SnapshotStore
 from app.errors import ConfigError
 from app.fl import FederateConfig, central_test
 from app.fl import client_app as client_module
@@ -63,12 +64,11 @@ def _snapshot(tmp_path) -> tuple[str, np.ndarray]:
     stats.labels.update(table.column("label").to_pylist())
     stats.add_event_times(int(event_times.min()), int(event_times.max()))
     stats.files.append(DataFile("event_date=1970-01-01/part-0.parquet", len(data), storage.sha256(data)))
-    manifest = build_manifest(
-        settings, "snap-1", {0: (0, RECORDS)}, {}, stats, features=None, features_weights=None,
-        allowed_lateness_s=60.0,
-    )  # fmt: skip
-    assert commit(settings, manifest)
-    return snapshot_uri(settings, "snap-1"), event_times
+    spec = WriteSpec(topic="t", dlq_topic="t.dlq", image_size=SIZE, classes=None, allowed_lateness_s=60.0)
+    manifest = build_manifest(spec, "snap-1", {0: (0, RECORDS)}, {}, stats)
+    snapshots = SnapshotStore.at(settings.uri())
+    assert snapshots.commit(manifest)
+    return snapshots.uri("snap-1"), event_times
 
 
 def _ids(images: torch.Tensor) -> set[int]:

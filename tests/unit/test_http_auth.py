@@ -1,5 +1,6 @@
 """HTTP access (app/serve/access.py): token files, constant-time matching, the token bucket, the loopback
-rule at the CLI's edge, and the RayService reading its tokens from a Secret. No Ray."""
+rule at the CLI's edge, the RayService reading its tokens from a Secret, and what the OpenAPI document
+(app/serve/http.py) promises with and without tokens. No Ray cluster."""
 
 from __future__ import annotations
 
@@ -126,3 +127,26 @@ def test_rayservice_reads_its_tokens_from_a_secret_in_every_container():
             mounts = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
             assert len(mounts) == 1 and mounts[0]["name"] in secrets and mounts[0].get("readOnly"), container
             assert secrets[mounts[0]["name"]] == "argus-api-tokens"
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["tokens", "open"])
+def test_the_document_guards_what_tokens_guard_and_never_admits_an_empty_image(guarded):
+    import jsonschema_rs
+
+    import app.serve.replica  # noqa: F401  (its routes are the document's operations)
+    from app.serve.http import AUTHENTICATED, api, openapi_document
+
+    document = openapi_document(api, guarded=guarded)
+    assert ("securitySchemes" in document.get("components", {})) is guarded
+    for path, method in AUTHENTICATED:
+        operation = document["paths"][path][method]
+        assert ("security" in operation) is guarded
+        assert ({"401", "429"} <= set(operation["responses"])) is guarded, operation["responses"]
+    assert "security" not in document["paths"]["/healthz"]["get"]
+    content = dict(document["paths"]["/predict"]["post"]["requestBody"]["content"])
+    images = [content.pop("multipart/form-data")["schema"]["properties"]["image"]]
+    images += [media["schema"] for media in content.values()]
+    assert len(images) == 5
+    for schema in images:
+        validator = jsonschema_rs.validator_for(schema)
+        assert not validator.is_valid("") and validator.is_valid("\x89PNG"), schema

@@ -1,4 +1,4 @@
-"""What an ingest reads (app.data.ingest.plan): from the ledger's end, or from the log start where the
+"""What an ingest reads (app.data.plan): from the ledger's end, or from the log start where the
 topic's retention deleted records no ingest read; what was lost is reported, or fails --strict."""
 
 from __future__ import annotations
@@ -7,9 +7,8 @@ import logging
 
 import pytest
 
-from app.config import IngestConfig, Settings
-from app.data.ingest import plan, report_lost
 from app.data.kafka import PartitionEnds
+from app.data.plan import plan, report_lost
 
 
 def test_reads_from_the_ledger_end_to_the_proven_end_and_drops_partitions_with_nothing_new():
@@ -27,12 +26,11 @@ def test_records_retention_deleted_unread_are_lost_and_reading_starts_at_the_log
 
 
 def test_lost_records_are_an_error_line_or_with_strict_a_failure(caplog):
-    settings = Settings(topic="t", storage="/tmp/unused")
     pending = plan({0: 30}, {0: PartitionEnds(40, 50, 50)}, {})
-    with caplog.at_level(logging.ERROR, logger="app.data.ingest"):
-        report_lost(settings, IngestConfig(), pending)
+    with caplog.at_level(logging.ERROR, logger="app.data.plan"):
+        report_lost("t", pending, strict=False)
     assert (
         "10 records of t were deleted by the topic's retention" in caplog.text and "p0:[30,40)" in caplog.text
     )
     with pytest.raises(RuntimeError, match=r"p0:\[30,40\)\); --strict: nothing written"):
-        report_lost(settings, IngestConfig(strict=True), pending)
+        report_lost("t", pending, strict=True)

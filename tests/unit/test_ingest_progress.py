@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from app.data.ingest import progress_lines
+from app.storage import Store
 
 
 def _lines(caplog) -> list[str]:
@@ -25,7 +26,7 @@ def _wait_for(caplog, text: str, timeout_s: float = 10) -> None:
 def test_progress_counts_the_rows_of_each_file_once_as_files_appear(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="app.data.ingest")
     snapshot = tmp_path / "snap-1"  # not there yet when ingest starts writing
-    with progress_lines(str(snapshot), offsets=50, interval_s=0.05):
+    with progress_lines(Store.at(str(snapshot)), offsets=50, interval_s=0.05):
         _wait_for(caplog, "0 of 50 offsets")
         (snapshot / "event_date=2026-12-01").mkdir(parents=True)
         pq.write_table(
@@ -45,7 +46,7 @@ def test_progress_counts_the_rows_of_each_file_once_as_files_appear(tmp_path, ca
 def test_an_unreadable_file_costs_lines_until_it_reads_never_the_block(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="app.data.ingest")
     (tmp_path / "part-a-0000.parquet").write_bytes(b"half a file")
-    with progress_lines(str(tmp_path), offsets=10, interval_s=0.05):
+    with progress_lines(Store.at(str(tmp_path)), offsets=10, interval_s=0.05):
         time.sleep(0.3)
         assert _lines(caplog) == []
         pq.write_table(pa.table({"offset": list(range(10))}), tmp_path / "part-a-0000.parquet")

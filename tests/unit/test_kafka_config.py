@@ -19,7 +19,7 @@ from app.data.kafka_config import (
 )
 from app.errors import ConfigError
 
-from conftest import make_tls_files, run_cli
+from conftest import make_tls_files
 
 
 @pytest.fixture
@@ -107,13 +107,50 @@ def test_every_property_argus_accepts_is_a_real_librdkafka_property():
             assert "No such configuration property" not in str(exc), name
 
 
+def consumer_configuration(connection: KafkaConnection, **extra) -> dict[str, str]:
+    """What librdkafka itself holds for a consumer `connection` builds: its `debug=conf` dump
+    (every property not at librdkafka's default), read from the client's own log."""
+    import logging
+    import time
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger(f"test-kafka-conf-{id(lines)}")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    consumer = connection.consumer(**extra, logger=logger)
+    try:
+        deadline = time.monotonic() + 30
+        while not any("Client configuration" in line for line in lines) and time.monotonic() < deadline:
+            consumer.poll(0.1)  # the client's log is delivered by poll
+    finally:
+        consumer.close()
+    dump = [line.split("]: ", 1)[-1] for line in lines if line.startswith("CONF ")]
+    return dict(line.strip().split(" = ", 1) for line in dump if " = " in line)
+
+
 def test_a_consumer_gets_the_properties_over_argus_defaults(tls):
     connection = KafkaConnection(
         "127.0.0.1:9",
-        {"security.protocol": "SSL", "ssl.ca.location": str(tls["ca"]), "request.timeout.ms": "9"},
+        {
+            "security.protocol": "SSL",
+            "ssl.ca.location": str(tls["ca"]),
+            "client.id": "argus-eu",
+            "socket.timeout.ms": "12345",  # librdkafka-only: still the consumer's
+            "request.timeout.ms": "9",  # producer-only in librdkafka: kept off the consumer
+            "debug": "conf",
+        },
     )
-    consumer = connection.consumer(**{"group.id": "g"})  # builds: librdkafka accepted every key
-    consumer.close()
+    config = consumer_configuration(connection, **{"group.id": "mine"})
+    assert config["security.protocol"].upper() == "SSL"
+    assert config["ssl.ca.location"] == str(tls["ca"])
+    assert config["client.id"] == "argus-eu" and config["socket.timeout.ms"] == "12345"
+    assert "request.timeout.ms" not in config
+    # Argus's defaults stay under the properties; what the caller passes wins over both.
+    assert config["isolation.level"] == "read_committed" and config["enable.auto.commit"] == "false"
+    assert config["enable.partition.eof"] == "true" and config["session.timeout.ms"] == "6000"
+    assert config["group.id"] == "mine"
 
 
 @pytest.mark.parametrize(
@@ -191,17 +228,17 @@ def test_the_retraining_job_keeps_the_kafka_config(tmp_path, tls):
     assert "--replication-factor 2" in entrypoint
 
 
-def test_cli_exits_2_with_one_line_for_a_bad_kafka_config(tmp_path):
+def test_cli_exits_2_with_one_line_for_a_bad_kafka_config(tmp_path, cli):
     path = write(tmp_path, "security.protocol=SSL\nssl.truststore.location=/etc/kafka/trust.jks\n")
-    result = run_cli("ingest", "--bootstrap-servers", "127.0.0.1:1", "--kafka-config", str(path), timeout=60)
+    result = cli("ingest", "--bootstrap-servers", "127.0.0.1:1", "--kafka-config", str(path))
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert "ssl.truststore.location" in lines[0] and str(path) in lines[0]
 
 
-def test_cli_reads_kafka_config_from_the_environment(tmp_path):
+def test_cli_reads_kafka_config_from_the_environment(tmp_path, cli):
     path = write(tmp_path, "linger.ms=5\n")
-    result = run_cli("produce", "--synthetic", "1", env={"KAFKA_CONFIG": str(path)}, timeout=60)
+    result = cli("produce", "--synthetic", "1", env={"KAFKA_CONFIG": str(path)})
     assert result.returncode == 2, result.stderr
     assert "'linger.ms'" in result.stderr and "set by Argus itself" in result.stderr

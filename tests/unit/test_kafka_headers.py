@@ -10,8 +10,8 @@ import pyarrow as pa
 import pytest
 
 from app.data.kafka import RAW_SCHEMA
+from app.data.manifest import event_date
 from app.data.records import MAX_EVENT_TIME_MS, header_fields, record_headers
-from app.data.snapshot import event_date
 
 NOW = 1_700_000_000_000
 

@@ -34,19 +34,29 @@ def test_grad_accumulation_matches_a_larger_batch():
 
 
 def test_bf16_autocast_on_cpu_lowers_the_loss():
+    """The forward pass really runs in bfloat16 (a hook on the first convolution sees its output
+    dtype; fp32 without `amp`), and training under it still learns."""
     torch.manual_seed(0)
     net = core.build_model("cnn", 2)
     images = torch.randn(32, 3, 16, 16)
     labels = (images[:, 0].mean((1, 2)) > 0).long()
     batches = [(images[i : i + 8], labels[i : i + 8]) for i in range(0, 32, 8)]
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    losses = [
-        core.train_epoch(
-            net, batches, optimizer, nn.CrossEntropyLoss(), device=torch.device("cpu"), amp=torch.bfloat16
+    seen: list[torch.dtype] = []
+    net.features[0][0].register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+
+    def epoch(amp):
+        return core.train_epoch(
+            net, batches, optimizer, nn.CrossEntropyLoss(), device=torch.device("cpu"), amp=amp
         )["loss"]
-        for _ in range(8)
-    ]
+
+    losses = [epoch(torch.bfloat16) for _ in range(8)]
+    assert set(seen) == {torch.bfloat16} and len(seen) == 8 * len(batches), seen
+    assert all(p.dtype == torch.float32 for p in net.parameters())  # autocast, not a bf16 model
     assert losses[-1] < losses[0] * 0.7, losses
+    seen.clear()
+    epoch(None)
+    assert set(seen) == {torch.float32}
 
 
 def test_parameter_checksum_detects_any_difference():

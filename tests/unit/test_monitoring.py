@@ -11,7 +11,6 @@ exports, so renaming a metric or a tag fails here. Offline and fast:
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -21,6 +20,8 @@ import pytest
 import yaml
 
 from app.metrics import _DEFINITIONS
+
+from conftest import missing_dependency
 
 REPO = Path(__file__).resolve().parents[2]
 MONITORING = REPO / "monitoring"
@@ -86,9 +87,7 @@ def promtool() -> str:
     path = shutil.which("promtool")
     if path:
         return path
-    if os.environ.get("CI"):
-        pytest.fail("promtool missing under CI: .ci/run installs it with Debian's `prometheus` package")
-    pytest.skip("promtool not installed (apt-get install prometheus); under CI this fails instead")
+    missing_dependency("promtool not installed: .ci/run installs it with Debian's `prometheus` package")
 
 
 def run_promtool(*args: str, cwd: Path = MONITORING / "prometheus") -> None:

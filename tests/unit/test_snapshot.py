@@ -1,5 +1,6 @@
-"""The storage contract (app.data.snapshot) on local disk: manifests, the proof that every offset landed
-once, the ledger, and snapshot selection. No broker, no Ray."""
+"""The storage contract (app.data.manifest, app.data.snapshot, app.data.integrity) on local disk:
+manifests, the proof that every offset landed once, the ledger, and snapshot selection. No broker,
+no Ray."""
 
 from __future__ import annotations
 
@@ -8,24 +9,20 @@ import json
 
 import pytest
 
-from app.config import Settings
-from app.data import snapshot
-from app.data.snapshot import (
-    MANIFEST,
-    CorruptSnapshot,
+from app import storage
+from app.data.integrity import CorruptSnapshot
+from app.data.manifest import (
     DataFile,
     Manifest,
+    WriteSpec,
     WriteStats,
     build_manifest,
-    data_file_uris,
     discover_classes,
     ledger_offsets,
-    list_manifests,
-    read_rows,
-    remove_uncommitted,
-    select_snapshots,
-    snapshot_uri,
 )
+from app.data.snapshot import MANIFEST, SnapshotStore, read_rows
+
+SPEC = WriteSpec(topic="t", dlq_topic="t.dlq", image_size=32, classes=None, allowed_lateness_s=60.0)
 
 
 def task_stats(
@@ -46,26 +43,28 @@ def task_stats(
 
 
 def commit(
-    settings: Settings, snapshot_id: str, ranges: dict, stats: WriteStats, watermarks=None, keep_source=False
+    snapshots: SnapshotStore,
+    snapshot_id: str,
+    ranges: dict,
+    stats: WriteStats,
+    watermarks=None,
+    keep_source=False,
 ) -> Manifest:
-    manifest = build_manifest(
-        settings,
-        snapshot_id,
-        ranges,
-        watermarks or {},
-        stats,
-        features=None,
-        features_weights=None,
-        allowed_lateness_s=60.0,
-        keep_source=keep_source,
-    )
-    assert snapshot.commit(settings, manifest)
+    spec = dataclasses.replace(SPEC, keep_source=keep_source)
+    manifest = build_manifest(spec, snapshot_id, ranges, watermarks or {}, stats)
+    assert snapshots.commit(manifest)
     return manifest
 
 
 @pytest.fixture
-def settings(tmp_path) -> Settings:
-    return Settings(topic="t", storage=str(tmp_path / "data"), image_size=32, model="cnn")
+def root(tmp_path):
+    """The storage root the tests' snapshots live under, as a local path."""
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def snapshots(root) -> SnapshotStore:
+    return SnapshotStore.at(str(root))
 
 
 def test_write_stats_merge_as_if_one_task_saw_everything():
@@ -85,15 +84,15 @@ def test_write_stats_merge_as_if_one_task_saw_everything():
     assert (merged.event_min, merged.event_max) == (5, 40)
 
 
-def test_manifest_json_is_the_contract_and_round_trips(settings):
+def test_manifest_json_is_the_contract_and_round_trips(snapshots, root):
     manifest = commit(
-        settings,
+        snapshots,
         "snap-1",
         {0: (0, 4), 2: (10, 12)},
         _merged(task_stats(0, range(0, 4), dead={1}), task_stats(2, range(10, 12))),
         watermarks={0: 5_000},
     )
-    stored = json.loads((settings.local_storage_path / "snapshots" / "snap-1" / MANIFEST).read_text())
+    stored = json.loads((root / "snapshots" / "snap-1" / MANIFEST).read_text())
     assert stored["offsets"] == {
         "0": {"start": 0, "end": 4, "records": 3, "dlq": 1, "watermark": 5_000, "skipped": 0, "lost": 0},
         "2": {"start": 10, "end": 12, "records": 2, "dlq": 0, "watermark": 2_000, "skipped": 0, "lost": 0},
@@ -115,87 +114,68 @@ def test_manifest_json_is_the_contract_and_round_trips(settings):
         (range(0, 5), "an offset past the end"),
     ],
 )
-def test_build_manifest_refuses_anything_but_every_offset_once(settings, seen, why):
+def test_build_manifest_refuses_anything_but_every_offset_once(seen, why):
     with pytest.raises(RuntimeError, match="expected offsets \\[0, 4\\) once each"):
-        build_manifest(
-            settings,
-            "snap-x",
-            {0: (0, 4)},
-            {},
-            task_stats(0, seen),
-            features=None,
-            features_weights=None,
-            allowed_lateness_s=60.0,
-        )
+        build_manifest(SPEC, "snap-x", {0: (0, 4)}, {}, task_stats(0, seen))
 
 
-def test_duplicated_offset_is_refused_even_when_the_count_matches(settings):
+def test_duplicated_offset_is_refused_even_when_the_count_matches():
     stats = task_stats(0, [0, 1, 1, 3])  # 2 never landed, 1 landed twice
     with pytest.raises(RuntimeError, match="once each"):
-        build_manifest(
-            settings,
-            "snap-x",
-            {0: (0, 4)},
-            {},
-            stats,
-            features=None,
-            features_weights=None,
-            allowed_lateness_s=60.0,
-        )
+        build_manifest(SPEC, "snap-x", {0: (0, 4)}, {}, stats)
 
 
-def test_the_ledger_starts_where_the_newest_snapshots_end(settings):
+def test_the_ledger_starts_where_the_newest_snapshots_end(snapshots, root):
     commit(
-        settings,
+        snapshots,
         "snap-1",
         {0: (0, 4), 1: (0, 2)},
         _merged(task_stats(0, range(0, 4)), task_stats(1, range(0, 2))),
     )
-    commit(settings, "snap-2", {0: (4, 9)}, task_stats(0, range(4, 9), event_times=(3_000, 9_000)))
-    (settings.local_storage_path / "snapshots" / "snap-3-no-manifest").mkdir()  # never committed: invisible
-    manifests = list_manifests(settings)
+    commit(snapshots, "snap-2", {0: (4, 9)}, task_stats(0, range(4, 9), event_times=(3_000, 9_000)))
+    (root / "snapshots" / "snap-3-no-manifest").mkdir()  # never committed: invisible
+    manifests = snapshots.manifests()
     assert [m.snapshot_id for m in manifests] == ["snap-1", "snap-2"]
     starts, watermarks = ledger_offsets(manifests, "t")
     assert starts == {0: 9, 1: 2} and watermarks == {0: 9_000, 1: 2_000}
     assert ledger_offsets(manifests, "another-topic") == ({}, {})
 
 
-def test_select_snapshots_by_id_and_classes_from_their_labels(settings):
-    commit(settings, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2), labels=("b", "a")))
-    commit(settings, "snap-2", {0: (2, 3)}, task_stats(0, range(2, 3), labels=("c",)))
-    assert [m.snapshot_id for m in select_snapshots(settings, None)] == ["snap-1", "snap-2"]
-    chosen = select_snapshots(settings, ("snap-2",))
+def test_select_snapshots_by_id_and_classes_from_their_labels(snapshots):
+    commit(snapshots, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2), labels=("b", "a")))
+    commit(snapshots, "snap-2", {0: (2, 3)}, task_stats(0, range(2, 3), labels=("c",)))
+    assert [m.snapshot_id for m in snapshots.select("t", 32, None)] == ["snap-1", "snap-2"]
+    chosen = snapshots.select("t", 32, ("snap-2",))
     assert [m.snapshot_id for m in chosen] == ["snap-2"]
-    assert discover_classes(select_snapshots(settings, None), None) == ["a", "b", "c"]
+    assert discover_classes(snapshots.select("t", 32, None), None) == ["a", "b", "c"]
     assert discover_classes(chosen, ("x", "y")) == ["x", "y"]
     with pytest.raises(ValueError, match="unknown snapshots \\['snap-9'\\]"):
-        select_snapshots(settings, ("snap-9",))
+        snapshots.select("t", 32, ("snap-9",))
 
 
-def test_select_snapshots_refuses_another_image_size_and_an_empty_store(settings, tmp_path):
-    commit(settings, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
+def test_select_snapshots_refuses_another_image_size_and_an_empty_store(snapshots, tmp_path):
+    commit(snapshots, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
     with pytest.raises(ValueError, match="image sizes \\[32\\] but --image-size is 64"):
-        select_snapshots(Settings(topic="t", storage=settings.storage, image_size=64), None)
+        snapshots.select("t", 64, None)
     with pytest.raises(ValueError, match="run `ingest` first"):
-        select_snapshots(Settings(topic="t", storage=str(tmp_path / "empty")), None)
+        SnapshotStore.at(str(tmp_path / "empty")).select("t", 32, None)
 
 
-def test_snapshots_that_keep_sources_serve_any_image_size(settings):
-    manifest = commit(settings, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)), keep_source=True)
+def test_snapshots_that_keep_sources_serve_any_image_size(snapshots):
+    manifest = commit(snapshots, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)), keep_source=True)
     assert manifest.source and manifest.pixels == "uint8"
-    other_size = Settings(topic="t", storage=settings.storage, image_size=64)
-    assert [m.snapshot_id for m in select_snapshots(other_size, None)] == ["snap-1"]
+    assert [m.snapshot_id for m in snapshots.select("t", 64, None)] == ["snap-1"]
 
 
-def test_float_snapshots_from_before_pixel_snapshots_say_how_to_reingest(settings):
-    manifest = commit(settings, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
+def test_float_snapshots_from_before_pixel_snapshots_say_how_to_reingest(snapshots):
+    manifest = commit(snapshots, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
     stored = json.loads(manifest.to_json())
     del stored["pixels"], stored["source"]  # what a manifest written before them holds
     old = Manifest.from_json(json.dumps(stored))
     assert old.pixels == "float32" and not old.source
-    snapshot.commit(settings, dataclasses.replace(old, snapshot_id="snap-0"))
+    snapshots.commit(dataclasses.replace(old, snapshot_id="snap-0"))
     with pytest.raises(ValueError, match=r"\['snap-0'\] hold normalised float32.*new --storage"):
-        select_snapshots(settings, None)
+        snapshots.select("t", 32, None)
 
 
 def _merged(*parts: WriteStats) -> WriteStats:
@@ -205,67 +185,56 @@ def _merged(*parts: WriteStats) -> WriteStats:
     return merged
 
 
-def test_a_manifest_is_written_once_and_never_overwritten(settings):
-    first = commit(settings, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
-    other = build_manifest(
-        settings,
-        "snap-1",
-        {0: (0, 3)},
-        {},
-        task_stats(0, range(0, 3)),
-        features=None,
-        features_weights=None,
-        allowed_lateness_s=60.0,
-    )
-    assert not snapshot.commit(settings, other)
-    assert list_manifests(settings) == [first]
-    leftovers = [p.name for p in (settings.local_storage_path / "snapshots" / "snap-1").iterdir()]
+def test_a_manifest_is_written_once_and_never_overwritten(snapshots, root):
+    first = commit(snapshots, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
+    other = build_manifest(SPEC, "snap-1", {0: (0, 3)}, {}, task_stats(0, range(0, 3)))
+    assert not snapshots.commit(other)
+    assert snapshots.manifests() == [first]
+    leftovers = [p.name for p in (root / "snapshots" / "snap-1").iterdir()]
     assert leftovers == [MANIFEST]  # the create-if-absent's temporary file is gone too
 
 
-def test_folders_without_a_manifest_are_invisible_until_removed(settings):
-    commit(settings, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
-    orphan = settings.local_storage_path / "snapshots" / "snap-2" / "event_date=2026-01-01"
+def test_folders_without_a_manifest_are_invisible_until_removed(snapshots, root):
+    commit(snapshots, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
+    orphan = root / "snapshots" / "snap-2" / "event_date=2026-01-01"
     orphan.mkdir(parents=True)
     (orphan / "part-0.parquet").write_bytes(b"written by an ingest that died")
-    assert [m.snapshot_id for m in list_manifests(settings)] == ["snap-1"]
-    assert remove_uncommitted(settings) == ["snap-2"]
-    assert sorted(p.name for p in (settings.local_storage_path / "snapshots").iterdir()) == ["snap-1"]
+    assert [m.snapshot_id for m in snapshots.manifests()] == ["snap-1"]
+    assert snapshots.remove_uncommitted() == ["snap-2"]
+    assert sorted(p.name for p in (root / "snapshots").iterdir()) == ["snap-1"]
 
 
-def test_a_corrupt_manifest_is_skipped_then_quarantined_and_its_offsets_come_back(settings, caplog):
-    commit(settings, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
-    commit(settings, "snap-2", {0: (2, 4)}, task_stats(0, range(2, 4)))
-    path = settings.local_storage_path / "snapshots" / "snap-2" / MANIFEST
+def test_a_corrupt_manifest_is_skipped_then_quarantined_and_its_offsets_come_back(snapshots, root, caplog):
+    commit(snapshots, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
+    commit(snapshots, "snap-2", {0: (2, 4)}, task_stats(0, range(2, 4)))
+    path = root / "snapshots" / "snap-2" / MANIFEST
     path.write_text(path.read_text()[:40])  # torn
-    assert [m.snapshot_id for m in list_manifests(settings)] == ["snap-1"]
+    assert [m.snapshot_id for m in snapshots.manifests()] == ["snap-1"]
     assert "snap-2: corrupt manifest" in caplog.text and path.exists()
-    list_manifests(settings, quarantine=True)
+    snapshots.manifests(quarantine=True)
     assert not path.exists()
-    quarantined = list((settings.local_storage_path / "quarantine").iterdir())
+    quarantined = list((root / "quarantine").iterdir())
     assert len(quarantined) == 1 and quarantined[0].name.startswith("snap-2-")
-    assert ledger_offsets(list_manifests(settings), "t")[0] == {0: 2}  # offsets 2..3 are ingested again
-    assert remove_uncommitted(settings) == ["snap-2"]
+    assert ledger_offsets(snapshots.manifests(), "t")[0] == {0: 2}  # offsets 2..3 are ingested again
+    assert snapshots.remove_uncommitted() == ["snap-2"]
 
 
-def test_readers_check_every_listed_file_against_its_manifest(settings):
+def test_readers_check_every_listed_file_against_its_manifest(snapshots, root):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     buffer = pa.BufferOutputStream()
     pq.write_table(pa.table({"key": ["u1", "u2"], "label": ["a", "b"]}), buffer)
     data = buffer.getvalue().to_pybytes()
-    folder = settings.local_storage_path / "snapshots" / "snap-1" / "event_date=2026-01-01"
+    folder = root / "snapshots" / "snap-1" / "event_date=2026-01-01"
     folder.mkdir(parents=True)
     (folder / "part-0.parquet").write_bytes(data)
     stats = task_stats(0, range(0, 2))
-    stats.files.append(
-        DataFile("event_date=2026-01-01/part-0.parquet", len(data), snapshot.storage.sha256(data))
-    )
-    manifest = commit(settings, "snap-1", {0: (0, 2)}, stats)
-    uri = snapshot_uri(settings, "snap-1")
+    stats.files.append(DataFile("event_date=2026-01-01/part-0.parquet", len(data), storage.sha256(data)))
+    manifest = commit(snapshots, "snap-1", {0: (0, 2)}, stats)
+    uri = snapshots.uri("snap-1")
     assert read_rows([uri], ["key"]).column("key").to_pylist() == ["u1", "u2"]
-    assert data_file_uris(settings, [manifest]) == [f"{uri}/event_date=2026-01-01/part-0.parquet"]
+    assert snapshots.data_file_uris([manifest]) == [f"{uri}/event_date=2026-01-01/part-0.parquet"]
 
     flipped = bytearray(data)
     flipped[len(data) // 2] ^= 0xFF
@@ -274,14 +243,14 @@ def test_readers_check_every_listed_file_against_its_manifest(settings):
         read_rows([uri], ["key"])
     (folder / "part-0.parquet").write_bytes(data[:-3])
     with pytest.raises(CorruptSnapshot, match=f"{len(data) - 3} bytes, its manifest says {len(data)}"):
-        data_file_uris(settings, [manifest])
+        snapshots.data_file_uris([manifest])
     (folder / "part-0.parquet").unlink()
     with pytest.raises(CorruptSnapshot, match="missing"):
-        data_file_uris(settings, [manifest])
+        snapshots.data_file_uris([manifest])
 
 
-def test_manifests_from_before_file_digests_still_read(settings):
-    manifest = commit(settings, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
+def test_manifests_from_before_file_digests_still_read(snapshots):
+    manifest = commit(snapshots, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
     stored = json.loads(manifest.to_json())
     stored["files"] = ["event_date=2026-01-01/part-0.parquet"]
     assert Manifest.from_json(json.dumps(stored)).files == [
@@ -291,37 +260,18 @@ def test_manifests_from_before_file_digests_still_read(settings):
         Manifest.from_json(json.dumps({**stored, "format": "something.else"}))
 
 
-def test_skipped_offsets_count_as_covered_and_lost_ones_keep_the_ledger_contiguous(settings):
+def test_skipped_offsets_count_as_covered_and_lost_ones_keep_the_ledger_contiguous(snapshots):
     stats = task_stats(0, [10, 11, 14])
     stats.partition(0).skip(12, 14)  # a transaction marker and a compacted record
     stats.partition(0).skip(15, 16)  # the commit marker at the end
-    manifest = build_manifest(
-        settings,
-        "snap-1",
-        {0: (10, 16)},
-        {},
-        stats,
-        features=None,
-        features_weights=None,
-        allowed_lateness_s=60.0,
-        lost={0: 10},
-    )
+    manifest = build_manifest(SPEC, "snap-1", {0: (10, 16)}, {}, stats, lost={0: 10})
     entry = manifest.offsets[0]
     assert (entry.start, entry.end, entry.records, entry.skipped, entry.lost) == (0, 16, 3, 3, 10)
-    assert snapshot.commit(settings, manifest)
-    assert ledger_offsets(list_manifests(settings), "t")[0] == {0: 16}
+    assert snapshots.commit(manifest)
+    assert ledger_offsets(snapshots.manifests(), "t")[0] == {0: 16}
     undeclared = task_stats(0, [10, 11, 14, 15])  # 12 and 13 neither seen nor declared skipped
     with pytest.raises(RuntimeError, match="once each"):
-        build_manifest(
-            settings,
-            "snap-2",
-            {0: (10, 16)},
-            {},
-            undeclared,
-            features=None,
-            features_weights=None,
-            allowed_lateness_s=60.0,
-        )
+        build_manifest(SPEC, "snap-2", {0: (10, 16)}, {}, undeclared)
 
 
 class _WritesAFile:
@@ -334,7 +284,7 @@ class _WritesAFile:
         return (open, (self.path, "w"))
 
 
-def _listed_file(settings, snapshot_id: str, table) -> tuple[str, Manifest]:
+def _listed_file(snapshots, root, snapshot_id: str, table) -> tuple[str, Manifest]:
     """`table` as a snapshot's only file, with a manifest whose digest matches it (as someone who
     can write the store could make one)."""
     import pyarrow as pa
@@ -343,39 +293,37 @@ def _listed_file(settings, snapshot_id: str, table) -> tuple[str, Manifest]:
     buffer = pa.BufferOutputStream()
     pq.write_table(table, buffer)
     data = buffer.getvalue().to_pybytes()
-    folder = settings.local_storage_path / "snapshots" / snapshot_id / "event_date=2026-01-01"
+    folder = root / "snapshots" / snapshot_id / "event_date=2026-01-01"
     folder.mkdir(parents=True)
     (folder / "part-0.parquet").write_bytes(data)
     stats = task_stats(0, range(0, table.num_rows))
-    stats.files.append(
-        DataFile("event_date=2026-01-01/part-0.parquet", len(data), snapshot.storage.sha256(data))
-    )
-    return snapshot_uri(settings, snapshot_id), commit(settings, snapshot_id, {0: (0, table.num_rows)}, stats)
+    stats.files.append(DataFile("event_date=2026-01-01/part-0.parquet", len(data), storage.sha256(data)))
+    return snapshots.uri(snapshot_id), commit(snapshots, snapshot_id, {0: (0, table.num_rows)}, stats)
 
 
-def test_parquet_whose_values_would_unpickle_is_refused_before_it_is_read(settings, tmp_path):
+def test_parquet_whose_values_would_unpickle_is_refused_before_it_is_read(snapshots, root, tmp_path):
     import pyarrow as pa
     from ray.data._internal.object_extensions.arrow import ArrowPythonObjectArray
 
     marker = tmp_path / "ran"
     payload = ArrowPythonObjectArray.from_objects([_WritesAFile(marker), _WritesAFile(marker)])
     table = pa.table({"label": ["a", "b"], "event_time": [1, 2], "image": payload})
-    uri, manifest = _listed_file(settings, "snap-pickle", table)
+    uri, manifest = _listed_file(snapshots, root, "snap-pickle", table)
     with pytest.raises(CorruptSnapshot, match="extension type 'ray.data.arrow_pickled_object'"):
-        data_file_uris(settings, [manifest])
+        snapshots.data_file_uris([manifest])
     with pytest.raises(CorruptSnapshot, match="arrow_pickled_object"):
         read_rows([uri], ["image"])
     assert not marker.exists()
 
 
-def test_parquet_schemas_readers_cannot_trust_are_refused(settings):
+def test_parquet_schemas_readers_cannot_trust_are_refused(snapshots, root):
     import numpy as np
     import pyarrow as pa
     from ray.data.extensions import ArrowTensorArray
 
     pixels = ArrowTensorArray.from_numpy(np.zeros((2, 3, 4, 4), dtype=np.uint8))
     good = pa.table({"label": ["a", "b"], "event_time": [1, 2], "image": pixels})
-    uri, manifest = _listed_file(settings, "snap-good", good)
+    uri, manifest = _listed_file(snapshots, root, "snap-good", good)
     assert read_rows([uri], ["label"]).column("label").to_pylist() == ["a", "b"]
 
     unknown = pa.field("image", pa.large_binary(), metadata={"ARROW:extension:name": "somelib.pickled"})
@@ -394,6 +342,19 @@ def test_parquet_schemas_readers_cannot_trust_are_refused(settings):
         ),
     }
     for snapshot_id, (table, why) in cases.items():
-        _, manifest = _listed_file(settings, snapshot_id, table)
+        _, manifest = _listed_file(snapshots, root, snapshot_id, table)
         with pytest.raises(CorruptSnapshot, match=why):
-            data_file_uris(settings, [manifest])
+            snapshots.data_file_uris([manifest])
+
+
+def test_a_store_travels_to_workers_as_its_location_and_resolves_its_filesystem_there(root):
+    import pickle
+
+    from app.storage import Store
+
+    folder = Store.at(str(root)).child("snapshots", "snap-1")
+    copy = pickle.loads(pickle.dumps(folder))
+    assert copy == folder and copy.uri("a") == str(root / "snapshots" / "snap-1" / "a")
+    assert copy.fs is not folder.fs  # resolved anew, from the receiving process's environment
+    assert copy.write_new("a", b"first") and not folder.write_new("a", b"second")
+    assert folder.read("a") == b"first"

@@ -1,12 +1,24 @@
-"""The watch's alert rule, its batch on revocation, compaction's planning, without a broker or Ray."""
+"""The watch's alert rule, its batch on revocation, compaction's planning and its cleanup of
+abandoned folders, without a broker or Ray."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 
-from app.data.compact import PART_SUFFIX, folder_owner, merged_offsets, new_part_id, plan_groups
-from app.data.snapshot import Manifest, PartitionRange, live_manifests, new_snapshot_id
-from app.data.stream import AlertState, Batch
+from app.data.compact import (
+    PART_SUFFIX,
+    folder_owner,
+    merged_offsets,
+    new_part_id,
+    plan_groups,
+    remove_abandoned,
+)
+from app.data.lag import AlertState
+from app.data.lease import SharedLease
+from app.data.manifest import Manifest, PartitionRange, live_manifests, new_snapshot_id
+from app.data.parts import Batch
+from app.data.snapshot import SnapshotStore
 
 
 def test_alert_fires_once_after_for_s_and_clears_when_lag_recovers():
@@ -89,8 +101,37 @@ def test_a_revocation_drops_the_revoked_partitions_rows_and_keeps_the_rest_as_th
     assert batch.without({0, 1, 2}).first_at is None  # nothing left: no cut is due
 
 
-def test_a_writers_folders_carry_its_owner_so_only_a_gone_writers_are_removed():
+def test_a_writers_folders_carry_its_owner():
     assert folder_owner(new_part_id("abc123")) == "abc123"
     assert folder_owner(new_snapshot_id() + "-wabc123") == "abc123"  # a compaction's
     assert folder_owner(new_snapshot_id()) is None  # a bulk ingest's
     assert folder_owner(new_snapshot_id() + PART_SUFFIX) is None  # a part from before owners
+
+
+def test_only_the_uncommitted_folders_of_writers_that_are_gone_are_removed(tmp_path):
+    snapshots = SnapshotStore.at(str(tmp_path / "data"))
+    topic_lease = snapshots.store.child("leases", "ingest-t")
+    this, other = SharedLease(topic_lease), SharedLease(topic_lease)
+    this.acquire()
+    other.acquire()  # another watch of the topic, alive
+    folders = tmp_path / "data" / "snapshots"
+
+    def folder(name: str, committed: bool = False) -> str:
+        (folders / name / "event_date=2026-01-01").mkdir(parents=True)
+        (folders / name / "event_date=2026-01-01" / "part-0.parquet").write_bytes(b"rows")
+        if committed:
+            (folders / name / "_manifest.json").write_text(json.dumps({"format": "argus.snapshot.v1"}))
+        return name
+
+    mine = folder(new_part_id(this.owner))  # being written by this watch
+    others = folder(new_part_id(other.owner))  # being written by the live one
+    gone = folder(new_part_id("deadbeef0000"))  # its writer died before committing
+    bulk = folder(new_snapshot_id())  # a bulk ingest's, dead: none runs while watches hold the lease
+    compacted = folder(new_snapshot_id() + "-wdeadbeef0000")  # a compactor's that died
+    committed = folder(new_part_id("deadbeef0000"), committed=True)  # a gone writer's, but committed
+    assert sorted(remove_abandoned(snapshots, this)) == sorted([gone, bulk, compacted])
+    assert sorted(p.name for p in folders.iterdir()) == sorted([mine, others, committed])
+    other.release()
+    assert remove_abandoned(snapshots, this) == [others]  # its writer let go without committing
+    assert sorted(p.name for p in folders.iterdir()) == sorted([mine, committed])
+    this.release()
