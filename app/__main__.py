@@ -77,9 +77,9 @@ def _watch(settings: Settings, args, cfg, ingest_cfg) -> int:
     from app.data.watch import watch
 
     require_local_gpu(settings, ingest_cfg.use_gpu)
-    stop = _stop_event()
     with kafka_endpoint(settings) as kafka, ray_session(settings):
-        alerts = watch(settings, cfg, ingest_cfg, kafka, stop)
+        # Handlers set after ray.init: Ray's own SIGTERM handler would abort the process (exit -6).
+        alerts = watch(settings, cfg, ingest_cfg, kafka, _stop_event())
     print(f"watch stopped after raising {alerts} lag alerts")
     return 0
 

@@ -115,7 +115,7 @@ def run_demo(settings: Settings, args) -> int:
                 "federated fine-tuning: Flower clients as Ray actors, users as clients, FedAvg; "
                 "promoted only if better than the champion on the test slice"
             )
-            traffic = _Traffic(url, sample.value)
+            traffic = Traffic(url, sample.value)
             try:
                 # The alias moves inside federate (only to a better model): traffic runs from just before.
                 federated = federate(
@@ -136,15 +136,7 @@ def run_demo(settings: Settings, args) -> int:
                 if verdict.promoted:
                     t = _step(f"rolling out v{federated.version} under steady traffic")
                     print(f"{settings.model_name}@champion → v{federated.version}")
-                    wait_for_version(url, federated.version)
-                    time.sleep(1.0)
-                    answers = traffic.stop()
-                    failed = sum(1 for status, _ in answers if status != 200)
-                    served = [v for _, v in answers]
-                    print(
-                        f"{len(answers)} requests during the rollout, {failed} failed; versions served in "
-                        f"order: {' → '.join(dict.fromkeys(served))}"
-                    )
+                    print(finish_rollout(url, federated.version, traffic))
                     timings["rollout"] = time.perf_counter() - t
                     outcome = f"serving federated v{federated.version}: {verdict.reason}"
                 else:
@@ -184,6 +176,22 @@ def run_demo(settings: Settings, args) -> int:
     return 0
 
 
+def finish_rollout(url: str, version: str, traffic: Traffic) -> str:
+    """Once every replica serves `version`, stop the traffic that ran through the alias move and
+    say how it went: requests, failures, and the versions in the order clients saw them."""
+    from app.serve import wait_for_version
+
+    wait_for_version(url, version)
+    time.sleep(1.0)  # some answers from the new version
+    answers = traffic.stop()
+    failed = sum(1 for status, _ in answers if status != 200)
+    served = [v for _, v in answers]
+    return (
+        f"{len(answers)} requests during the rollout, {failed} failed; versions served in "
+        f"order: {' → '.join(dict.fromkeys(served))}"
+    )
+
+
 def _hold(url: str, dashboard_url: str | None) -> float:
     """`--hold`: keep Ray, its dashboard and the Serve endpoint up until Ctrl-C or SIGTERM; return
     the seconds held."""
@@ -209,7 +217,7 @@ def _hold(url: str, dashboard_url: str | None) -> float:
     return time.perf_counter() - started
 
 
-class _Traffic:
+class Traffic:
     """Predictions posted back to back from a thread while the alias may move; every answer's
     (status, model_version) is kept."""
 

@@ -12,18 +12,6 @@ import time
 import pytest
 
 from conftest import TEST_IMAGE_SIZE
-from ray_nodes import LocalRayCluster
-
-
-@pytest.fixture(scope="module")
-def head_node(tmp_path_factory):
-    """A head node of its own (2 CPUs, like CI's machine); its dashboard URL."""
-    cluster = LocalRayCluster(tmp_path_factory.mktemp("head"))
-    try:
-        cluster.start_head(num_cpus=2)
-        yield cluster.dashboard
-    finally:
-        cluster.shutdown()
 
 
 def _drifted_copy(trained, tmp_path):

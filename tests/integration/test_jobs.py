@@ -19,19 +19,8 @@ from app.net import free_port
 from app.serve.rollout import wait_for_rollout
 
 from conftest import TEST_IMAGE_SIZE
-from ray_nodes import LocalRayCluster, submit, wait_for_job
+from ray_nodes import submit, wait_for_job
 from served import sequential
-
-
-@pytest.fixture(scope="module")
-def head_node(tmp_path_factory):
-    """A head node of its own (2 CPUs, like CI's machine); its dashboard URL."""
-    cluster = LocalRayCluster(tmp_path_factory.mktemp("head"))
-    try:
-        cluster.start_head(num_cpus=2)
-        yield cluster.dashboard
-    finally:
-        cluster.shutdown()
 
 
 @pytest.mark.slow

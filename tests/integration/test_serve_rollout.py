@@ -5,6 +5,7 @@ killed replica's replacement serves the active version."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -69,8 +70,12 @@ def unloadable(trained):
     return version
 
 
+ROLLOUT_TIMEOUT_S = 30
+"""Above a replica's own worst case for /rollout: two coordinator calls of 5 s on a loaded machine."""
+
+
 def rollout_state(url: str) -> dict:
-    answer = requests.get(f"{url}/rollout", timeout=10)
+    answer = requests.get(f"{url}/rollout", timeout=ROLLOUT_TIMEOUT_S)
     assert answer.status_code == 200, answer.text
     return answer.json()
 
@@ -118,6 +123,29 @@ def test_every_replica_switches_together_with_no_failed_request(trained, fleet):
     assert health.json() == {"status": "ok", "model_version": candidate} and health.headers["X-Argus-Replica"]
     replicas = rollout_state(fleet)["replicas"]
     assert all(r["alias_version"] == r["serving"] == candidate and r["error"] is None for r in replicas)
+
+
+def test_the_demo_reports_the_rollout_it_ran_under_traffic(trained, fleet):
+    """The demo's rollout branch, which it takes only when the federated version beats the champion
+    (so the demo's own test cannot count on it), over the real fleet: the alias moves under the
+    demo's traffic, as `federate --promote-if-better` moves it, and the demo's line counts it."""
+    from app.data import synth
+    from app.ops.demo import Traffic as DemoTraffic
+    from app.ops.demo import finish_rollout
+
+    settings, _, _, _, _ = trained
+    old = rollout_state(fleet)["active_version"]
+    candidate = register_copy(settings, old, "federated")
+    traffic = DemoTraffic(fleet, next(synth.generate(1, seed=3, size=32)).value)
+    traffic.start()
+    registry.promote(settings.tracking_uri, settings.model_name, candidate)
+    line = finish_rollout(fleet, candidate, traffic)
+    counted = re.fullmatch(
+        r"(\d+) requests during the rollout, (\d+) failed; versions served in order: (.+)", line
+    )
+    assert counted, line
+    assert int(counted.group(1)) > 0 and counted.group(2) == "0", line
+    assert counted.group(3) == f"{old} → {candidate}", line
 
 
 def test_a_version_that_cannot_load_is_never_activated(trained, fleet, unloadable):
@@ -170,8 +198,11 @@ def test_a_killed_replica_is_replaced_on_the_active_version(trained, fleet, unlo
             while time.monotonic() < deadline:
                 # If the victim created the coordinator, it died too: /rollout may answer 503 until
                 # a replica has created it again (promote's wait tolerates that the same way).
-                answer = requests.get(f"{fleet}/rollout", timeout=10)
-                live = answer.json()["replicas"] if answer.ok else []
+                try:
+                    answer = requests.get(f"{fleet}/rollout", timeout=ROLLOUT_TIMEOUT_S)
+                    live = answer.json()["replicas"] if answer.ok else []
+                except requests.RequestException:
+                    live = []
                 ids = {r["replica"] for r in live}
                 if len(live) == REPLICAS and victim not in ids and all(r["serving"] == active for r in live):
                     break
