@@ -134,7 +134,7 @@ def _serve(settings: Settings, args, cfg, policy) -> int:
 
 
 def _promote(settings: Settings, args, cfg) -> int:
-    from app.serve.rollout import promote
+    from app.serve.promote import promote
 
     print(promote(settings, cfg))
     return 0
@@ -214,7 +214,7 @@ COMMANDS = {
         "point the alias at VERSION; waits until every replica of a running deployment serves it",
         _promote,
         options.add_promote,
-        ("app.serve.rollout:PromoteConfig",),
+        ("app.serve.promote:PromoteConfig",),
     ),
     "watch": Command(
         "keep ingesting in micro-batches; alert when end-to-end lag exceeds --lag-alert-s",

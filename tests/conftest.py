@@ -161,20 +161,6 @@ class MetricsWatcher:
         self._thread.join()
 
 
-@pytest.fixture(scope="session")
-def head_node(tmp_path_factory):
-    """A `ray start --head` node of its own (2 CPUs, like CI's machine) for the tests that submit
-    jobs, shared by them; its dashboard URL."""
-    from ray_nodes import LocalRayCluster
-
-    cluster = LocalRayCluster(tmp_path_factory.mktemp("head"))
-    try:
-        cluster.start_head(num_cpus=2)
-        yield cluster.dashboard
-    finally:
-        cluster.shutdown()
-
-
 @pytest.fixture
 def settings(tmp_path, broker) -> Settings:
     return Settings(

@@ -138,12 +138,15 @@ class LocalRayCluster:
         self.nodes[name] = node
         return node
 
-    def kill(self, name: str) -> None:
-        """SIGKILL the node's whole process group, as a lost machine."""
-        node, alive = self.nodes.pop(name), len(self.alive_node_ids())
+    def kill(self, name: str) -> float:
+        """SIGKILL the node's whole process group, as a lost machine; return when (time.time()) it
+        died."""
+        node = self.nodes.pop(name)
+        killed_at = time.time()  # nothing between this and the kill: tests compare against it
         os.killpg(node.process.pid, signal.SIGKILL)
         node.process.wait(30)
-        self.wait_for_nodes(alive - 1)  # the GCS's health checks have noticed
+        self.wait_for_nodes(len(self.nodes))  # the GCS's health checks have noticed
+        return killed_at
 
     def alive_node_ids(self) -> list[str]:
         from ray.util.state import StateApiClient

@@ -15,7 +15,7 @@ import time
 from ray import serve
 
 from app.config import DEFAULT_MODEL_NAME
-from app.serve import access, rollout
+from app.serve import access, promote
 from app.serve.replica import ArgusModel
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def deploy(settings, cfg, *, blocking: bool, policy: access.AccessConfig | None 
 def deploy_detached(settings, cfg, policy: access.AccessConfig | None = None) -> str:
     """`python -m app serve --detach`: deploy onto the running cluster and record where, for `promote`."""
     url = deploy(settings, cfg, blocking=False, policy=policy)
-    rollout.record_deployment(settings, url, foreground=False)
+    promote.record_deployment(settings, url, foreground=False)
     return url
 
 
@@ -115,7 +115,7 @@ def serve_until(settings, cfg, stop: threading.Event, policy: access.AccessConfi
     its replicas), serve until `stop` is set, then remove the record and shut Serve down."""
     policy = policy or access.AccessConfig()
     url = deploy(settings, cfg, blocking=False, policy=policy)
-    rollout.record_deployment(settings, url, foreground=True)
+    promote.record_deployment(settings, url, foreground=True)
     try:
         guarded = f"{len(policy.token_digests)} token(s)" if policy.token_digests else "no tokens"
         print(
@@ -126,7 +126,7 @@ def serve_until(settings, cfg, stop: threading.Event, policy: access.AccessConfi
         while not stop.wait(0.2):  # a timed wait lets the signal handler run promptly
             pass
     finally:
-        rollout.forget_deployment(settings)
+        promote.forget_deployment(settings)
         serve.shutdown()
 
 

@@ -15,6 +15,7 @@ import asyncio
 import time
 
 import numpy as np
+import ray
 import torch
 from fastapi import Request
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -169,10 +170,14 @@ class ArgusModel:
         if (refused := self._refused(request)) is not None:
             return refused
         # Twice: a coordinator that died with the replica that created it is created again by the
-        # second call (the replicas report to it within a poll).
+        # second call (the replicas report to it within a poll). A slow one is not asked again: the
+        # caller gets its 503 within one call's timeout.
         for _ in range(2):
             try:
                 return JSONResponse(await asyncio.to_thread(self.versions.coordinator_state))
+            except ray.exceptions.GetTimeoutError as exc:
+                failure = exc
+                break
             except Exception as exc:
                 failure = exc
         return error(503, f"rollout coordinator unreachable: {type(failure).__name__}: {failure}")

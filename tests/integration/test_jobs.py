@@ -1,26 +1,65 @@
 """`ray job submit` against a real head node on 127.0.0.1: every stage runs as a job (ingest, train,
 federate, watch, serve --detach, drift, promote), and the drift command's retraining job runs
-ingest → train → promote-if-better."""
+ingest → train → promote-if-better. `drift --retrain` submits that job only on drift, to run in
+the project's folder on the storage and registry drift read."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
+import time
 import uuid
 
 import pytest
-from ray.job_submission import JobSubmissionClient
+from ray.job_submission import JobStatus, JobSubmissionClient
 
 from app import registry
 from app.config import ProduceConfig, Settings
 from app.data.produce import produce
 from app.data.snapshot import SnapshotStore
 from app.net import free_port
-from app.serve.rollout import wait_for_rollout
+from app.serve.promote import wait_for_rollout
 
 from conftest import TEST_IMAGE_SIZE
-from ray_nodes import submit, wait_for_job
+from ray_nodes import LocalRayCluster, submit, wait_for_job
 from served import sequential
+
+
+@pytest.fixture(scope="module")
+def head_node(tmp_path_factory):
+    """A `ray start --head` node of its own (2 CPUs, like CI's machine), shared by this module's
+    tests and gone with them (a detached Serve deployment on it would otherwise idle on through
+    the rest of the suite); its dashboard URL."""
+    cluster = LocalRayCluster(tmp_path_factory.mktemp("head"))
+    try:
+        cluster.start_head(num_cpus=2)
+        yield cluster.dashboard
+    finally:
+        cluster.shutdown()
+
+
+def _drifted_copy(trained, tmp_path):
+    """The trained version's snapshots and registry in a storage of this test's own (so the job
+    registers nothing other tests see), with traffic the model never saw: flat grey screens."""
+    import torch
+
+    from app.serve import TrafficLog
+
+    local, _, _, report, _ = trained
+    storage = tmp_path / "data"
+    shutil.copytree(local.local_storage_path / "snapshots", storage / "snapshots")
+    shutil.copy(local.local_storage_path / "mlflow.db", tmp_path / "mlflow.db")  # artifacts stay put
+    settings = dataclasses.replace(
+        local, storage=str(storage), mlflow_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"
+    )
+    log = TrafficLog(settings.uri("traffic"), "grey")
+    scores = {c: (1.0 if i == 0 else 0.0) for i, c in enumerate(report.classes)}
+    answer = {"label": report.classes[0], "scores": scores, "model_version": report.version}
+    for _ in range(40):
+        log.record(torch.full((3, TEST_IMAGE_SIZE, TEST_IMAGE_SIZE), 2.5), answer)
+    log.close()
+    return settings
 
 
 @pytest.mark.slow
@@ -121,4 +160,46 @@ def test_ingest_and_train_as_jobs_then_a_retraining_job(head_node, broker, tmp_p
     assert f"every replica (1) at {url} serves v{target}" in logs, logs[-3000:]
     assert {version for version, _ in sequential(url, 20)} == {target}
 
-    assert len(JobSubmissionClient(head_node).list_jobs()) == 8  # the head node still serves
+    # The head node still serves, and every job of this test (the head is shared) succeeded.
+    jobs = [job for job in JobSubmissionClient(head_node).list_jobs() if settings.topic in job.entrypoint]
+    assert len(jobs) == 8 and {job.status for job in jobs} == {JobStatus.SUCCEEDED}, jobs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_drift_with_retrain_submits_the_retraining_job_only_on_drift(trained, head_node, tmp_path):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    from app.ops.drift import DriftConfig, drift
+
+    settings = _drifted_copy(trained, tmp_path)
+    settings = dataclasses.replace(settings, ray_address=head_node)
+    client = JobSubmissionClient(head_node)
+
+    def jobs():  # the head is this module's: only this test's jobs name its topic
+        return [job for job in client.list_jobs() if settings.topic in job.entrypoint]
+
+    looked = drift(settings, DriftConfig(min_requests=30))  # no --retrain: a report, nothing more
+    assert looked.drifted and looked.psi["mean_r"] > 1.0 and looked.job_id is None, looked
+    assert jobs() == []
+
+    found = drift(settings, DriftConfig(min_requests=30, retrain=True))
+    assert found.drifted and found.job_id, found
+    assert f"retraining job {found.job_id} submitted" in str(found)
+    [job] = jobs()
+    assert job.submission_id == found.job_id
+    ingest, train = job.entrypoint.split(" && ")
+    assert ingest.startswith("python -m app ingest ") and train.startswith("python -m app train ")
+    assert train.endswith("--promote-if-better")
+    for command in (ingest, train):
+        assert f"--storage {settings.local_storage_path} " in command
+        assert f"--topic {settings.topic} " in command and f"--image-size {TEST_IMAGE_SIZE} " in command
+        assert f"--mlflow-uri {settings.mlflow_uri}" in command
+    # It runs from the shipped project folder: its ingest finds the copied ledger complete.
+    deadline = time.monotonic() + 300
+    while "nothing new to ingest" not in client.get_job_logs(found.job_id):
+        status = client.get_job_status(found.job_id)
+        assert status in (JobStatus.PENDING, JobStatus.RUNNING), client.get_job_logs(found.job_id)[-3000:]
+        assert time.monotonic() < deadline, client.get_job_logs(found.job_id)[-3000:]
+        time.sleep(2)
+    client.stop_job(found.job_id)  # its training is the next test's to watch

@@ -315,7 +315,7 @@ def test_foreground_serve_follows_its_alias_and_stops_cleanly_on_sigterm(tmp_pat
     """`python -m app serve --alias challenger` in the foreground, with its own Ray, as a user runs
     it; `promote --alias challenger` moves only that alias and waits for it; SIGTERM ends it all."""
     from app.serve import wait_for_version
-    from app.serve.rollout import recorded_deployment
+    from app.serve.promote import recorded_deployment
 
     settings = Settings(storage=str(tmp_path / "data"), image_size=32, model="cnn")
     champion = register_untrained(settings)  # the first version gets `champion`

@@ -287,7 +287,7 @@ def test_images_are_capped_in_pixels_and_formats(guarded):
 
 
 def test_promote_waits_on_rollout_with_the_token_from_the_environment(guarded):
-    from app.serve.rollout import RolloutIncomplete, wait_for_rollout
+    from app.serve.promote import RolloutIncomplete, wait_for_rollout
 
     assert wait_for_rollout(guarded.url, guarded.version, 30, token=guarded.tokens["promote"]) == 1
     # A 401 is final: it gives up at once rather than waiting out the hour (which the suite's

@@ -16,7 +16,7 @@ import requests
 from app import registry
 from app.config import ServeConfig
 from app.net import free_port
-from app.serve.rollout import forget_deployment, record_deployment, wait_for_rollout
+from app.serve.promote import forget_deployment, record_deployment, wait_for_rollout
 
 from conftest import run_cli, settings_args
 from served import CLIENTS, Traffic, sequential

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from app.errors import ConfigError
+from app.serve.promote import PromoteConfig
 from app.serve.rollout import (
     Plan,
-    PromoteConfig,
     ReplicaReport,
     RolloutState,
     activation_lead_s,
