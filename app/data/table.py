@@ -1,0 +1,311 @@
+"""The behaviour images as one Apache Iceberg table (CONTRACT.md §2): commits that carry the Kafka
+offsets, reads pinned to a table snapshot.
+
+    table = ImageTable.at("./argus-data")       # sqlite:///argus-data/catalog.db, argus.behavior_images
+    start = table.committed()                   # {partition: next offset}, from the table's own history
+    snapshot_id = table.commit(rows, {0: (start.get(0, 0), 64)}, dlq_records=1, topic="behavior-images")
+    rows = table.scan(snapshot_id)              # what that commit left in the table, whatever came later
+
+Every commit is one Iceberg snapshot whose summary records the offset ranges it adds
+(`argus.kafka.ranges`), every partition's next offset over the whole table
+(`argus.kafka.committed`, carried forward), its dead letters and the Argus format. A commit lands
+only if each partition it writes is still committed exactly up to where its range starts, checked
+on the table it is committed on, which the catalog swaps in only if no other commit came first
+(`AssertRefSnapshotId`); a writer that loses gets `OffsetConflict`, commits nothing, and re-plans.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.io.pyarrow import _dataframe_to_data_files
+from pyiceberg.manifest import DataFile
+from pyiceberg.table import Table
+from pyiceberg.table.snapshots import Snapshot, ancestors_of
+
+from app.data.catalog import (
+    DEFAULT_TABLE,
+    FORMAT,
+    FORMAT_KEY,
+    NO_RETRIES,
+    RETRIES_KEY,
+    catalog_uri,
+    check_format,
+    create_or_load,
+    dumps,
+    open_catalog,
+    warehouse_uri,
+)
+from app.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+TOPIC_KEY = "argus.kafka.topic"
+RANGES_KEY = "argus.kafka.ranges"
+COMMITTED_KEY = "argus.kafka.committed"
+LOST_KEY = "argus.kafka.lost"
+DLQ_KEY = "argus.dlq.records"
+
+COMMIT_ATTEMPTS = 5
+"""Catalog swaps one commit tries before giving up: a swap lost to a commit that left this one's
+partitions where it planned them (another partition's writer, a compaction) is tried again."""
+
+Ranges = dict[int, tuple[int, int]]
+
+
+class OffsetConflict(RuntimeError):
+    """The table's committed offsets are not where this writer began: another writer committed
+    first. Nothing of this commit is in the table; plan again from `ImageTable.committed()`."""
+
+
+class ImageTable:
+    """One Iceberg table of behaviour images, at one catalog and warehouse: created (or loaded)
+    once per command and handed to whatever commits to or reads it. Pickled as its location, so a
+    Ray task that receives it opens the catalog in its own process."""
+
+    def __init__(
+        self,
+        catalog: str,
+        warehouse: str,
+        identifier: str = DEFAULT_TABLE,
+        *,
+        source: bool = False,
+        features: bool = False,
+    ):
+        """Open the table `identifier` in the catalog at URI `catalog` (warehouse `warehouse`),
+        creating it if absent, with `source` and `features` columns if asked. A table a newer
+        Argus wrote is refused (ConfigError) and left as it is."""
+        self.catalog_uri, self.warehouse, self.identifier = catalog, warehouse, identifier
+        self.catalog = open_catalog(catalog, warehouse)
+        check_format(create_or_load(self.catalog, identifier, source=source, features=features))
+        self.load()  # an older table gets PyIceberg's retries turned off now, not mid-commit
+
+    @classmethod
+    def at(cls, storage: str, catalog: str | None = None, table: str | None = None, **columns) -> ImageTable:
+        """The table of a storage root: catalog `catalog` (default: SQLite under a local
+        `storage`), warehouse `<storage>/warehouse`, table `table` (default argus.behavior_images)."""
+        return cls(catalog_uri(storage, catalog), warehouse_uri(storage), table or DEFAULT_TABLE, **columns)
+
+    def __reduce__(self):
+        return ImageTable, (self.catalog_uri, self.warehouse, self.identifier)
+
+    def __repr__(self) -> str:
+        return f"ImageTable({self.identifier!r} at {self.catalog_uri!r})"
+
+    def load(self) -> Table:
+        """The table as the catalog has it now, checked to be one this Argus may write."""
+        table = self.catalog.load_table(self.identifier)
+        check_format(table)
+        if table.properties.get(RETRIES_KEY) != NO_RETRIES[RETRIES_KEY]:
+            # PyIceberg reads the retry count from the table it commits (Transaction.commit_transaction):
+            # whoever set it back, it is off again before this handle's commits use the table.
+            log.warning(
+                "table %s: turning PyIceberg's commit retries off (Argus re-plans instead)", self.identifier
+            )
+            with table.transaction() as txn:
+                txn.set_properties(NO_RETRIES)
+            table = self.catalog.load_table(self.identifier)
+        return table
+
+    def current_snapshot_id(self) -> int | None:
+        """The table's current snapshot: what a reader pins to (None before the first commit)."""
+        snapshot = self.load().current_snapshot()
+        return snapshot.snapshot_id if snapshot else None
+
+    def committed(self, snapshot_id: int | None = None) -> dict[int, int]:
+        """{partition: next offset} as of `snapshot_id` (default: now); {} before any commit."""
+        table = self.load()
+        snapshot = table.current_snapshot() if snapshot_id is None else table.snapshot_by_id(snapshot_id)
+        return _committed(table, snapshot)
+
+    def scan(self, snapshot_id: int, columns: Iterable[str] | None = None) -> pa.Table:
+        """The rows (or only `columns`) of the table as of `snapshot_id`, whatever came after."""
+        fields = tuple(columns) if columns else ("*",)
+        return self._scan(snapshot_id, fields).to_arrow()
+
+    def data_file_uris(self, snapshot_id: int) -> list[str]:
+        """The Parquet files that make up `snapshot_id` (for `ray.data.read_parquet`); Argus writes
+        no delete files, so these files' rows are exactly the snapshot's."""
+        return [task.file.file_path for task in self._scan(snapshot_id, ("*",)).plan_files()]
+
+    def _scan(self, snapshot_id: int, fields: tuple[str, ...]):
+        table = self.load()
+        if table.snapshot_by_id(snapshot_id) is None:
+            raise ValueError(
+                f"table {self.identifier} has no snapshot {snapshot_id} (expired, or another table's)"
+            )
+        return table.scan(snapshot_id=snapshot_id, selected_fields=fields)
+
+    def write_files(self, rows: pa.Table) -> list[DataFile]:
+        """Write `rows` as Parquet data files under the table's location, split by event date:
+        invisible until `commit_files` commits them (a Ray write task can call this)."""
+        table = self.load()
+        conformed = conform(rows, table.schema().as_arrow())
+        # The same private writer Ray Data's IcebergDatasink calls in its write tasks (Ray 2.57):
+        # PyIceberg has no public call that writes data files without committing them.
+        return list(_dataframe_to_data_files(table_metadata=table.metadata, df=conformed, io=table.io))
+
+    def commit(
+        self,
+        rows: pa.Table,
+        ranges: Ranges,
+        dlq_records: int,
+        topic: str,
+        *,
+        lost: dict[int, int] | None = None,
+    ) -> int:
+        """Commit `rows` as the offsets `ranges` ({partition: (start, end)}) of `topic`, with
+        `dlq_records` of them in the dead letters and `lost[p]` at a range's start deleted by
+        retention unread. Returns the new snapshot's id; OffsetConflict (nothing committed, the
+        files written for it deleted) when a partition's committed offset is not its range's start."""
+        check_rows(rows, ranges, dlq_records, lost or {})
+        files = self.write_files(rows) if rows.num_rows else []
+        try:
+            return self.commit_files(files, ranges, dlq_records, topic, lost=lost)
+        except (OffsetConflict, ConfigError):  # refused before any catalog swap could land
+            table = self.catalog.load_table(self.identifier)
+            for data_file in files:  # never part of any snapshot: nobody can be reading them
+                table.io.delete(data_file.file_path)
+            raise
+
+    def commit_files(
+        self,
+        files: list[DataFile],
+        ranges: Ranges,
+        dlq_records: int,
+        topic: str,
+        *,
+        lost: dict[int, int] | None = None,
+    ) -> int:
+        """Commit data files from `write_files` as `commit` commits rows (the caller has proved
+        every offset of `ranges` once in them or in the dead letters)."""
+        lost = lost or {}
+        _check_counts(sum(f.record_count for f in files), ranges, dlq_records, lost)
+        for attempt in range(1, COMMIT_ATTEMPTS + 1):
+            table = self.load()
+            base = table.current_snapshot()
+            committed = _committed(table, base)
+            self._check_base(table, base, committed, ranges, topic)
+            summary = {
+                FORMAT_KEY: str(FORMAT),
+                TOPIC_KEY: topic,
+                RANGES_KEY: dumps({p: list(r) for p, r in ranges.items()}),
+                COMMITTED_KEY: dumps({**committed, **{p: end for p, (_, end) in ranges.items()}}),
+                DLQ_KEY: str(dlq_records),
+            }
+            if lost:
+                summary[LOST_KEY] = dumps({p: [ranges[p][0], ranges[p][0] + n] for p, n in lost.items() if n})
+            txn = table.transaction()
+            with txn.update_snapshot(snapshot_properties=summary).fast_append() as append:
+                for data_file in files:
+                    append.append_data_file(data_file)
+            try:
+                # One catalog swap, asserting the branch is still at `base` (the append's
+                # AssertRefSnapshotId); retries are off on `table`, so a lost swap raises here.
+                txn.commit_transaction()
+            except CommitFailedException as exc:
+                log.info("commit to %s lost a race (attempt %d): %s", self.identifier, attempt, exc)
+                continue
+            return append.snapshot_id
+        raise OffsetConflict(
+            f"table {self.identifier}: {COMMIT_ATTEMPTS} commits in a row lost to other writers; "
+            "nothing committed"
+        )
+
+    def _check_base(
+        self, table: Table, base: Snapshot | None, committed: dict[int, int], ranges: Ranges, topic: str
+    ) -> None:
+        previous = _nearest(table, base, TOPIC_KEY)
+        if previous is not None and previous != topic:
+            raise ConfigError(
+                f"table {self.identifier} holds topic {previous!r}, not {topic!r}: --table names another"
+            )
+        moved = {
+            p: (start, committed.get(p, 0))
+            for p, (start, _) in ranges.items()
+            if committed.get(p, 0) != start
+        }
+        if moved:
+            where = ", ".join(f"p{p}: planned from {s}, table at {c}" for p, (s, c) in sorted(moved.items()))
+            raise OffsetConflict(
+                f"table {self.identifier} moved since this writer planned ({where}); "
+                "nothing committed, plan again"
+            )
+
+
+def conform(rows: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`rows` in the table's column order and types, with `event_date` derived from
+    `event_time_ms` (UTC) when absent; a column the table lacks is an error, not dropped."""
+    if "event_date" not in rows.column_names:
+        millis = pc.cast(rows.column("event_time_ms"), pa.timestamp("ms", tz="UTC"))
+        rows = rows.append_column("event_date", pc.cast(millis, pa.date32()))
+    extra = sorted(set(rows.column_names) - set(schema.names))
+    if extra:
+        raise ValueError(f"columns {extra} are not in the table (created without them?)")
+    missing = [f for f in schema if f.name not in rows.column_names]
+    for field in missing:
+        if not field.nullable:
+            raise ValueError(f"column {field.name!r} is required")
+        rows = rows.append_column(field, pa.nulls(rows.num_rows, field.type))
+    return rows.select(schema.names).cast(schema)
+
+
+def check_rows(rows: pa.Table, ranges: Ranges, dlq_records: int, lost: dict[int, int]) -> None:
+    """What a commit can check of the caller's per-offset proof from its rows alone: each row's
+    offset is inside its partition's range (past what retention deleted) and no offset is twice."""
+    partitions = rows.column("kafka_partition").to_numpy()
+    offsets = rows.column("kafka_offset").to_numpy()
+    outside = ~np.isin(partitions, list(ranges))
+    if outside.any():
+        raise ValueError(
+            f"rows of partitions {sorted(set(partitions[outside].tolist()))} not in the ranges {ranges}"
+        )
+    for p, (start, end) in ranges.items():
+        mine = offsets[partitions == p]
+        low = start + lost.get(p, 0)
+        if mine.size and (mine.min() < low or mine.max() >= end):
+            raise ValueError(f"partition {p}: rows at offsets outside [{low}, {end})")
+        if np.unique(mine).size != mine.size:
+            raise ValueError(f"partition {p}: an offset is in the rows more than once; nothing committed")
+    _check_counts(rows.num_rows, ranges, dlq_records, lost)
+
+
+def _check_counts(records: int, ranges: Ranges, dlq_records: int, lost: dict[int, int]) -> None:
+    for p, (start, end) in ranges.items():
+        if end < start or not 0 <= lost.get(p, 0) <= end - start:
+            raise ValueError(f"partition {p}: bad range [{start}, {end}) with {lost.get(p, 0)} lost")
+    room = sum(end - start - lost.get(p, 0) for p, (start, end) in ranges.items())
+    if records + dlq_records > room:
+        raise ValueError(
+            f"{records} rows and {dlq_records} dead letters exceed the {room} offsets of {ranges}"
+        )
+
+
+def _nearest(table: Table, snapshot: Snapshot | None, key: str) -> str | None:
+    """`key` in the summary of `snapshot` or its nearest ancestor that has it: a commit by another
+    engine (which knows nothing of Kafka) must not reset the offsets."""
+    for ancestor in ancestors_of(snapshot, table.metadata):
+        if ancestor.summary is not None and key in ancestor.summary.additional_properties:
+            return ancestor.summary.additional_properties[key]
+    return None
+
+
+def _committed(table: Table, snapshot: Snapshot | None) -> dict[int, int]:
+    raw = _nearest(table, snapshot, COMMITTED_KEY)
+    return {int(p): int(end) for p, end in json.loads(raw).items()} if raw else {}
+
+
+def pixels(rows: pa.Table) -> np.ndarray:
+    """The `pixels` column as uint8 images [n, height, width, 3] (all rows of one size)."""
+    sizes = set(zip(rows.column("height").to_pylist(), rows.column("width").to_pylist()))
+    if len(sizes) > 1:
+        raise ValueError(f"rows of several image sizes {sorted(sizes)}: select one first")
+    height, width = sizes.pop() if sizes else (0, 0)
+    flat = np.frombuffer(b"".join(rows.column("pixels").to_pylist()), dtype=np.uint8)
+    return flat.reshape(rows.num_rows, height, width, 3)
