@@ -13,7 +13,7 @@ import yaml
 from app.errors import ConfigError
 from app.serve.access import AccessConfig, RateLimiter, TokenCheck, bearer_token, is_loopback, read_token_file
 
-from conftest import ROOT, run_cli
+from conftest import ROOT
 
 
 def _file(tmp_path: Path, text: str) -> str:
@@ -107,8 +107,8 @@ def test_access_config(tmp_path):
         (["--rate-limit", "-2"], {}, "--rate-limit must be >= 0"),
     ],
 )
-def test_serve_refuses_an_open_api_off_loopback_with_exit_2(tmp_path, args, env, message):
-    result = run_cli("serve", "--storage", str(tmp_path), *args, env=env, timeout=60)
+def test_serve_refuses_an_open_api_off_loopback_with_exit_2(cli, tmp_path, args, env, message):
+    result = cli("serve", "--storage", str(tmp_path), *args, env=env)
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("argus: error:") and message in line, line

@@ -17,8 +17,6 @@ from app.serve.rollout import (
     unfinished,
 )
 
-from conftest import run_cli
-
 LEAD = 3.0
 
 
@@ -152,7 +150,7 @@ def test_promote_timeout_must_be_positive():
         PromoteConfig(version="2", timeout_s=0)
 
 
-def test_promote_with_a_bad_timeout_exits_2_with_one_line():
-    result = run_cli("promote", "2", "--timeout-s", "0", timeout=60)
+def test_promote_with_a_bad_timeout_exits_2_with_one_line(cli):
+    result = cli("promote", "2", "--timeout-s", "0")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["argus: error: --timeout-s must be > 0, got 0.0"]
