@@ -114,7 +114,8 @@ def app_reader_in_process(
     """Diagnosis: the app's read_partition_range (Arrow blocks, headers parsed) without Ray."""
     import pyarrow.compute as pc
 
-    from app.data.kafka import KafkaConnection, read_partition_range
+    from app.data.kafka import KafkaConnection
+    from app.data.kafka_range import read_partition_range
 
     started = time.perf_counter()
     rows = size = 0

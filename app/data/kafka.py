@@ -1,6 +1,6 @@
-"""Kafka clients, as every stage creates them: admin and topics, producer, consumers, the end
-probe and the exact range reader of CONTRACT.md §1 records (their headers: `app.data.records`; the
-`--kafka-config` properties they apply: `app.data.kafka_config`).
+"""Kafka clients, as every stage creates them: admin and topics, producer, consumers and the end
+probe, for CONTRACT.md §1 records (their headers: `app.data.records`; the exact range reader:
+`app.data.kafka_range`; the `--kafka-config` properties they apply: `app.data.kafka_config`).
 
 kafka-python produces and administers; confluent-kafka (librdkafka) reads, as Ray Data does. Every
 client comes from a `KafkaConnection` (bootstrap servers + the file's properties), which travels to
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -23,9 +23,6 @@ from app.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-MAX_BLOCK_BYTES = 16 * 1024 * 1024
-"""Ingest's Ray Data block size: a read task passes its records on every `records_per_block` or this
-many bytes, and transforms split larger outputs."""
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """The largest request the producer sends and the largest message consumers fetch; also the DLQ's
 `max.message.bytes` when the source topic's cannot be read."""
@@ -336,77 +333,6 @@ def probe_end_offsets(
 ) -> dict[int, int]:
     """The true end (last offset + 1) of each partition (see `probe_partitions`)."""
     return {p: probed.end for p, probed in probe_partitions(kafka, topic, partitions, timeout_s).items()}
-
-
-def read_partition_range(
-    kafka: KafkaConnection,
-    topic: str,
-    partition: int,
-    start: int,
-    end: int,
-    records_per_block: int,
-    watermark_ms: int,
-    allowed_lateness_ms: int,
-    visible_end: int | None = None,
-    stall_timeout_s: float = 60.0,
-) -> Iterator[pa.Table]:
-    """Every offset of [start, end) of one partition, as Arrow blocks, or an error: never fewer.
-
-    Each offset is a record or part of a gap row: offsets the broker skips over (a later offset
-    arrives first) are transaction markers, aborted or compacted records; offsets from
-    `visible_end` on may end in an EOF, which proves them markers too (see `probe_partitions`).
-    An EOF before `visible_end` is an error. Lateness is judged against the partition's running
-    event-time watermark (the highest event time seen so far, seeded from the previous snapshot),
-    as a stream processor would.
-    """
-    from confluent_kafka import KafkaError, TopicPartition
-
-    visible_end = end if visible_end is None else visible_end
-    consumer = kafka.consumer()
-    consumer.assign([TopicPartition(topic, partition, start)])
-    rows: dict[str, list] = {name: [] for name in RAW_SCHEMA.names}
-
-    def gap(until: int) -> None:
-        gap_row = dict.fromkeys(RAW_SCHEMA.names)
-        gap_row.update(partition=partition, offset=next_offset, gap_end=until, value=b"", late=False)
-        for name in RAW_SCHEMA.names:
-            rows[name].append(gap_row[name])
-
-    next_offset, last_progress = start, time.monotonic()
-    try:
-        while next_offset < end:
-            messages = consumer.consume(min(records_per_block, end - next_offset), timeout=1.0)
-            if not messages and time.monotonic() - last_progress > stall_timeout_s:
-                raise RuntimeError(f"{topic}[{partition}] stalled at offset {next_offset} before {end}")
-            for message in messages:
-                if message.error():
-                    if message.error().code() != KafkaError._PARTITION_EOF:
-                        raise RuntimeError(f"reading {topic}[{partition}]: {message.error()}")
-                    if next_offset >= end:
-                        continue
-                    if next_offset < visible_end:
-                        raise RuntimeError(f"{topic}[{partition}] ended at {next_offset}, expected {end}")
-                    gap(end)  # only markers follow the last record
-                    next_offset = end
-                    break
-                offset = message.offset()
-                if offset > next_offset:
-                    gap(min(offset, end))
-                    next_offset = min(offset, end)
-                if offset >= end:
-                    break
-                last_progress = time.monotonic()
-                next_offset = offset + 1
-                fields, watermark_ms = raw_row(message, watermark_ms, allowed_lateness_ms)
-                for name in RAW_SCHEMA.names:
-                    rows[name].append(fields[name])
-            if len(rows["offset"]) >= records_per_block or sum(map(len, rows["value"])) >= MAX_BLOCK_BYTES:
-                yield pa.Table.from_pydict(rows, schema=RAW_SCHEMA)
-                rows = {name: [] for name in RAW_SCHEMA.names}
-        if rows["offset"]:
-            yield pa.Table.from_pydict(rows, schema=RAW_SCHEMA)
-    finally:
-        consumer.close()
 
 
 def commit_offsets(kafka: KafkaConnection, group: str, topic: str, ends: dict[int, int]) -> None:

@@ -2,14 +2,16 @@
 
 `ray.data.read_kafka` takes one start offset for all partitions and clamps its end to the reported
 high watermark; resuming from the ledger and reading to the proven end (`app.data.plan`) needs
-ranges. Each read task reads one chunk of one partition with `app.data.kafka.read_partition_range`.
+ranges. Each read task reads one chunk of one partition with `read_partition_range`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
+import pyarrow as pa
 import ray
 import ray.data
 from ray.data import DataContext
@@ -18,6 +20,9 @@ from ray.data.datasource import Datasource, ReadTask
 
 from app.data import kafka
 
+MAX_BLOCK_BYTES = 16 * 1024 * 1024
+"""Ingest's Ray Data block size: a read task passes its records on every `records_per_block` or this
+many bytes, and transforms split larger outputs."""
 IO_TASK_CPUS = 0.25
 """Logical CPUs of a Kafka read task and of a snapshot write task (see PREPROCESS_ACTOR_CPUS)."""
 
@@ -82,7 +87,7 @@ class KafkaRangeDatasource(Datasource):
                 )
                 tasks.append(
                     ReadTask(
-                        lambda a=args: kafka.read_partition_range(*a),
+                        lambda a=args: read_partition_range(*a),
                         metadata,
                         schema=kafka.RAW_SCHEMA,
                         per_task_row_limit=per_task_row_limit,
@@ -108,7 +113,7 @@ def read_ranges(source: KafkaRangeDatasource) -> ray.data.Dataset:
 
 
 @contextlib.contextmanager
-def streaming_blocks(max_block_bytes: int = kafka.MAX_BLOCK_BYTES) -> Iterator[None]:
+def streaming_blocks(max_block_bytes: int = MAX_BLOCK_BYTES) -> Iterator[None]:
     """Datasets created inside use blocks of at most `max_block_bytes`.
 
     Ray Data merges what a read task yields into blocks of up to 128 MiB before passing any on, so
@@ -122,3 +127,74 @@ def streaming_blocks(max_block_bytes: int = kafka.MAX_BLOCK_BYTES) -> Iterator[N
         yield
     finally:
         context.target_max_block_size = previous
+
+
+def read_partition_range(
+    connection: kafka.KafkaConnection,
+    topic: str,
+    partition: int,
+    start: int,
+    end: int,
+    records_per_block: int,
+    watermark_ms: int,
+    allowed_lateness_ms: int,
+    visible_end: int | None = None,
+    stall_timeout_s: float = 60.0,
+) -> Iterator[pa.Table]:
+    """Every offset of [start, end) of one partition, as Arrow blocks, or an error: never fewer.
+
+    Each offset is a record or part of a gap row: offsets the broker skips over (a later offset
+    arrives first) are transaction markers, aborted or compacted records; offsets from
+    `visible_end` on may end in an EOF, which proves them markers too (see `probe_partitions`).
+    An EOF before `visible_end` is an error. Lateness is judged against the partition's running
+    event-time watermark (the highest event time seen so far, seeded from the previous snapshot),
+    as a stream processor would.
+    """
+    from confluent_kafka import KafkaError, TopicPartition
+
+    visible_end = end if visible_end is None else visible_end
+    consumer = connection.consumer()
+    consumer.assign([TopicPartition(topic, partition, start)])
+    rows: dict[str, list] = {name: [] for name in kafka.RAW_SCHEMA.names}
+
+    def gap(until: int) -> None:
+        gap_row = dict.fromkeys(kafka.RAW_SCHEMA.names)
+        gap_row.update(partition=partition, offset=next_offset, gap_end=until, value=b"", late=False)
+        for name in kafka.RAW_SCHEMA.names:
+            rows[name].append(gap_row[name])
+
+    next_offset, last_progress = start, time.monotonic()
+    try:
+        while next_offset < end:
+            messages = consumer.consume(min(records_per_block, end - next_offset), timeout=1.0)
+            if not messages and time.monotonic() - last_progress > stall_timeout_s:
+                raise RuntimeError(f"{topic}[{partition}] stalled at offset {next_offset} before {end}")
+            for message in messages:
+                if message.error():
+                    if message.error().code() != KafkaError._PARTITION_EOF:
+                        raise RuntimeError(f"reading {topic}[{partition}]: {message.error()}")
+                    if next_offset >= end:
+                        continue
+                    if next_offset < visible_end:
+                        raise RuntimeError(f"{topic}[{partition}] ended at {next_offset}, expected {end}")
+                    gap(end)  # only markers follow the last record
+                    next_offset = end
+                    break
+                offset = message.offset()
+                if offset > next_offset:
+                    gap(min(offset, end))
+                    next_offset = min(offset, end)
+                if offset >= end:
+                    break
+                last_progress = time.monotonic()
+                next_offset = offset + 1
+                fields, watermark_ms = kafka.raw_row(message, watermark_ms, allowed_lateness_ms)
+                for name in kafka.RAW_SCHEMA.names:
+                    rows[name].append(fields[name])
+            if len(rows["offset"]) >= records_per_block or sum(map(len, rows["value"])) >= MAX_BLOCK_BYTES:
+                yield pa.Table.from_pydict(rows, schema=kafka.RAW_SCHEMA)
+                rows = {name: [] for name in kafka.RAW_SCHEMA.names}
+        if rows["offset"]:
+            yield pa.Table.from_pydict(rows, schema=kafka.RAW_SCHEMA)
+    finally:
+        consumer.close()

@@ -59,7 +59,7 @@ def header_fields(headers, kafka_timestamp: int | None = None, unreadable: Excep
     UTF-8 and raises SystemError from a UnicodeDecodeError for one that is not. With a
     `kafka_timestamp`, `event_time` is always an int: the header's, else the Kafka timestamp; for a
     record whose event time is invalid, the timestamp if that is valid, else 0 (a dead letter's
-    stand-in, which `read_partition_range` keeps out of the watermark).
+    stand-in, which `kafka_range.read_partition_range` keeps out of the watermark).
     """
     errors: list[str] = []
     values: dict[str, bytes | None] = {}
