@@ -155,9 +155,9 @@ def test_drift_is_found_in_shifted_traffic_only(trained, endpoint):
     calm = drift(settings, DriftConfig(window_s=usual, min_requests=200))
     print(f"\nin-distribution traffic:\n{calm}")
     assert not calm.drifted and calm.requests == 300, calm
-    # Clear of the 0.01 line (measured: p ≈ 0.06 against 95 held-out records): new screens from
-    # the same users get answers like the held-out records'.
-    assert calm.output.served == 300 and calm.output.p_value > 0.03, calm
+    # New screens from the same users get answers like the 95 held-out records' (not drifted at the
+    # 0.01 line). p varies with the trained model: measured 0.06, and 0.03 in another run.
+    assert calm.output.served == 300 and not calm.output_drifted, calm
 
     def washed_out(value: bytes) -> bytes:  # a new screen theme: far brighter, lower contrast
         image = Image.open(io.BytesIO(value)).convert("RGB").point(lambda v: 170 + v // 3)
