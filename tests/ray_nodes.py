@@ -60,6 +60,11 @@ class LocalRayCluster:
             # every 3 s, so a killed node is noticed in ~5 s instead of ~15-20 s. A killed raylet
             # fails them at once (connection refused); a busy one still has the default 10 s each.
             RAY_health_check_period_ms="1000",
+            # Ray Train waits this long for a worker group's placement group. Its workers fail the
+            # moment a node dies, seconds before the GCS declares the node dead, so the controller
+            # first asks again for the group it had and waits out the whole default 60 s before it
+            # settles for what is left. Here resources are there or not at once.
+            RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10",
             **SERVE_ENV,
             **self.auth_env(),
         )
