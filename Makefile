@@ -8,16 +8,16 @@ BIN := $(VENV)/bin
 $(BIN)/argus: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-compile -e '.[test]'
 	@touch $@
 
 demo: $(BIN)/argus
 	$(BIN)/python -m app demo
 
 # Every test: lint first (seconds), then unit and integration tests (real broker, Ray, MLflow, HTTP).
-# The durations report closes the log: where CI's minutes went.
+# Two lanes side by side (tests/conftest.py). The durations report closes the log: where CI's minutes went.
 test: lint
-	$(BIN)/python -m pytest -v --durations=40
+	$(BIN)/python -m pytest -v --durations=40 -n 2 --dist loadgroup
 
 # Unit tests only: no broker, no Ray, no network; under a minute.
 test-fast: lint

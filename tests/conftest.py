@@ -21,6 +21,24 @@ from app.data.broker import EmbeddedBroker
 ROOT = Path(__file__).resolve().parents[1]
 TEST_IMAGE_SIZE = 32
 
+# `make test` runs two lanes side by side (`-n 2 --dist loadgroup`): a serial run kept both cores idle
+# a third of its time (Ray, Serve and the broker starting, noticing, polling). The tests that
+# bring their own Ray clusters (multi-node, the jobs, the demo) run beside the others, which
+# share one session broker, Ray and trained model and so stay in one process. Each lane builds
+# the session fixtures it uses once.
+OWN_CLUSTERS = (
+    "tests/integration/test_multinode.py::",
+    "tests/integration/test_demo.py::",
+    "tests/integration/test_jobs.py::test_every_stage_runs_as_a_job",
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    for item in items:
+        lane = "own-clusters" if item.nodeid.startswith(OWN_CLUSTERS) else "shared"
+        item.add_marker(pytest.mark.xdist_group(lane))
+
 
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory):
@@ -77,6 +95,7 @@ def ray_cluster(s3_endpoint):
     # Processes export metrics every second rather than every ten, so short tests see them. One
     # logical GPU: `--use-gpu` actor pools schedule, and torch, finding no CUDA, runs them on CPU.
     ray.init(
+        address="local",  # a Ray of this process's own, even beside the other lane's
         num_cpus=2,
         num_gpus=1,
         include_dashboard=False,
