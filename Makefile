@@ -15,9 +15,9 @@ demo: $(BIN)/argus
 	$(BIN)/python -m app demo
 
 # Every test: lint first (seconds), then unit and integration tests (real broker, Ray, MLflow, HTTP).
-# Two lanes side by side (tests/conftest.py). The durations report closes the log: where CI's minutes went.
+# The durations report closes the log: where CI's minutes went.
 test: lint
-	$(BIN)/python -m pytest -v --durations=40 -n 2
+	$(BIN)/python -m pytest -v --durations=40
 
 # Unit tests only: no broker, no Ray, no network; under a minute.
 test-fast: lint

@@ -21,29 +21,6 @@ from app.data.broker import EmbeddedBroker
 ROOT = Path(__file__).resolve().parents[1]
 TEST_IMAGE_SIZE = 32
 
-# `make test` runs two lanes side by side (`-n 2`): a serial run kept both cores idle a third of
-# its time (Ray, Serve and the broker starting, noticing, polling). The tests that bring Ray
-# clusters of their own (multi-node, the jobs, the demo) run beside the others, which share one
-# session broker, Ray and trained model and so stay in one process. Each lane builds the session
-# fixtures it uses once.
-OWN_CLUSTERS = (
-    "tests/integration/test_multinode.py::",
-    "tests/integration/test_demo.py::",
-    "tests/integration/test_jobs.py::test_every_stage_runs_as_a_job",
-)
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """xdist's scheduler by scope, with two scopes: the lanes. (Its `xdist_group` marks do not
-    group under pytest 9, whose node ids no longer read the `_nodeid` xdist rewrites.)"""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class Lanes(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return "own-clusters" if nodeid.startswith(OWN_CLUSTERS) else "shared"
-
-    return Lanes(config, log)
-
 
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory):
@@ -100,7 +77,7 @@ def ray_cluster(s3_endpoint):
     # Processes export metrics every second rather than every ten, so short tests see them. One
     # logical GPU: `--use-gpu` actor pools schedule, and torch, finding no CUDA, runs them on CPU.
     ray.init(
-        address="local",  # a Ray of this process's own, even beside the other lane's
+        address="local",  # a Ray of its own, whatever /tmp/ray/ray_current_cluster says
         num_cpus=2,
         num_gpus=1,
         include_dashboard=False,

@@ -84,24 +84,35 @@ class LocalRayCluster:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     def start_head(self, num_cpus: float, *options: str, name: str = "head") -> Node:
-        """The head node; `options` go to its `ray start` (e.g. `--object-store-memory=...`)."""
-        gcs_port, dashboard_port, self.metrics_port = free_port(), free_port(), free_port()
-        node = self._start(
-            name,
-            num_cpus,
-            [
-                "--head",
-                f"--port={gcs_port}",
-                "--dashboard-host=127.0.0.1",
-                f"--dashboard-port={dashboard_port}",
-                f"--ray-client-server-port={free_port()}",
-                f"--metrics-export-port={self.metrics_port}",
-                f"--temp-dir={self.temp_dir}",
-                *options,
-            ],
-        )
-        self.address, self.dashboard = f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dashboard_port}"
-        self._wait(lambda: self._job_server_answers(), 120, "the head's job server")
+        """The head node; `options` go to its `ray start` (e.g. `--object-store-memory=...`). A head
+        that dies while starting is started once more: on a host with both cores busy its Ray
+        Client server can give up its fixed 30 s wait for the raylet to register, and `--block`
+        then stops the whole node (seen when two test processes ran side by side)."""
+        for attempt in (1, 2):
+            gcs_port, dashboard_port, self.metrics_port = free_port(), free_port(), free_port()
+            node = self._start(
+                name,
+                num_cpus,
+                [
+                    "--head",
+                    f"--port={gcs_port}",
+                    "--dashboard-host=127.0.0.1",
+                    f"--dashboard-port={dashboard_port}",
+                    f"--ray-client-server-port={free_port()}",
+                    f"--metrics-export-port={self.metrics_port}",
+                    f"--temp-dir={self.temp_dir}",
+                    *options,
+                ],
+            )
+            self.address, self.dashboard = f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dashboard_port}"
+            try:
+                self._wait(lambda: self._job_server_answers(), 120, "the head's job server")
+                break
+            except AssertionError:
+                if node.alive or attempt == 2:
+                    raise
+                print(f"ray start --head exited {node.process.returncode} while starting; once more")
+                self._stop(self.nodes.pop(name))
         self.wait_for_nodes(1)
         return node
 
@@ -186,17 +197,21 @@ class LocalRayCluster:
             assert time.monotonic() < deadline, f"timed out waiting for {what}"
             time.sleep(1)
 
+    @staticmethod
+    def _stop(node: Node) -> None:
+        # Also where `ray start` itself is gone (a start that failed or timed out): its raylet and
+        # agents may live on in its group.
+        try:
+            os.killpg(node.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        node.process.wait()
+
     def shutdown(self) -> None:
         """SIGKILL each node's process group, workers first: a test's cluster keeps nothing worth a
         graceful stop, and `ray start --block` takes ~30 s to stop on SIGTERM."""
         for node in sorted(self.nodes.values(), key=lambda n: n.name == "head"):
-            # Also where `ray start` itself is gone (a start that timed out): its raylet and agents
-            # may live on in its group.
-            try:
-                os.killpg(node.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            node.process.wait()
+            self._stop(node)
         for directory in Path("/tmp").glob(f"{Path(self.temp_dir).name}*"):
             shutil.rmtree(directory, ignore_errors=True)
 
