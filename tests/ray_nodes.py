@@ -48,6 +48,7 @@ class LocalRayCluster:
     dashboard: str = ""
     metrics_port: int = 0
     nodes: dict[str, Node] = field(default_factory=dict)  # the started ones not killed
+    started: list[Node] = field(default_factory=list)  # every node ever started
     # Short: Ray's socket paths have a length limit.
     temp_dir: str = field(default_factory=lambda: f"/tmp/argus-ray-{uuid.uuid4().hex[:6]}")
 
@@ -122,7 +123,8 @@ class LocalRayCluster:
         # A session dir of its own: nodes sharing one would share runtime_resources/, and a node's
         # runtime-env agent deletes a job's working dir there once its own workers are done with
         # it, under the job driver running on another node (seen: the driver's cwd vanished).
-        temp_dir = f"{self.temp_dir}-{name}"
+        # Numbered: a node started again under a killed one's name gets a fresh dir too.
+        temp_dir = f"{self.temp_dir}-{name}{len(self.started)}"
         node = self._start(name, num_cpus, [f"--address={self.address}", f"--temp-dir={temp_dir}"])
         self.wait_for_nodes(before + 1)
         return node
@@ -152,6 +154,7 @@ class LocalRayCluster:
         )
         node = Node(name, process, log, num_cpus)
         self.nodes[name] = node
+        self.started.append(node)
         return node
 
     def kill(self, name: str) -> float:
@@ -207,11 +210,31 @@ class LocalRayCluster:
             pass
         node.process.wait()
 
+    def clear(self) -> None:
+        """Back to the head alone and idle, for the next test sharing it: every job stopped, Serve
+        shut down, every other node stopped."""
+        import requests
+        from ray.job_submission import JobSubmissionClient
+
+        client = JobSubmissionClient(self.dashboard, headers=self.headers())
+        running = [job.submission_id for job in client.list_jobs() if not job.status.is_terminal()]
+        for job_id in running:
+            client.stop_job(job_id)
+        stopped = lambda: all(client.get_job_status(job_id).is_terminal() for job_id in running)  # noqa: E731
+        self._wait(stopped, 120, "jobs to stop")
+        # `serve shutdown`'s call: the dashboard shuts Serve down where it runs, and does nothing where not.
+        serve_api = f"{self.dashboard}/api/serve/applications/"
+        requests.delete(serve_api, headers=self.headers(), timeout=120).raise_for_status()
+        for name in [name for name in self.nodes if name != "head"]:
+            self._stop(self.nodes.pop(name))
+        self.wait_for_nodes(1)
+
     def shutdown(self) -> None:
         """SIGKILL each node's process group, workers first: a test's cluster keeps nothing worth a
         graceful stop, and `ray start --block` takes ~30 s to stop on SIGTERM."""
         for node in sorted(self.nodes.values(), key=lambda n: n.name == "head"):
             self._stop(node)
+        self.nodes.clear()
         for directory in Path("/tmp").glob(f"{Path(self.temp_dir).name}*"):
             shutil.rmtree(directory, ignore_errors=True)
 

@@ -24,11 +24,26 @@ from ray_nodes import LocalRayCluster, submit, wait_for_job
 from served import CLIENTS, Traffic, register_untrained, sequential
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    nodes = LocalRayCluster(tmp_path)
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """One 1-CPU head node for the module's tests (starting one takes 15-50 s here): on one CPU, a lost
+    node leaves work that no longer fits. Each test adds and kills worker nodes of its own."""
+    nodes = LocalRayCluster(tmp_path_factory.mktemp("multinode"))
+    nodes.start_head(num_cpus=1)
     yield nodes
     nodes.shutdown()
+
+
+@pytest.fixture
+def cluster(head, request):
+    """The module's head alone, as a fresh cluster would be. Afterwards: its jobs stopped and the
+    test's worker nodes gone; after a failure, a new head, so one test's leftovers fail no other."""
+    failed_before = request.session.testsfailed
+    yield head
+    head.clear()
+    if request.session.testsfailed > failed_before:
+        head.shutdown()
+        head.start_head(num_cpus=1)
 
 
 def _produce_960(settings: Settings) -> Settings:
@@ -131,7 +146,6 @@ def test_training_loses_a_node_mid_epoch_and_resumes_on_what_is_left(cluster, sn
     left Ray Data's input tasks pending for good): the epochs before the loss keep their rows, each
     epoch is trained once, and the run finishes and registers."""
     settings = snapshot_settings
-    cluster.start_head(num_cpus=1)
     cluster.add_node("worker", num_cpus=1)
     epochs = 4
     job, _ = _submit_training(
@@ -167,7 +181,6 @@ def test_an_elastic_run_grows_when_a_node_joins(cluster, snapshot_settings):
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     settings = snapshot_settings
-    cluster.start_head(num_cpus=1)
     # More one-worker epochs (~3 s each here) than the join, the 2 s resize check and the restart
     # can take: here the group grew after 6; in CI once after more than 12.
     epochs = 100
@@ -227,9 +240,10 @@ def _latest_checkpoint(run_dir: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_workers_holding_every_cpu_still_get_their_streamed_input(cluster, settings, ray_cluster):
+def test_workers_holding_every_cpu_still_get_their_streamed_input(settings, ray_cluster, tmp_path):
     """Input too big to hold in the object store streams from storage every epoch while two
-    half-CPU workers hold the node's only CPU: its reads must not wait for a CPU."""
+    half-CPU workers hold the node's only CPU: its reads must not wait for a CPU. (A head of its own:
+    under the module's other tests, an 80 MB object store once made a 768-record epoch take 70 s.)"""
     settings = dataclasses.replace(settings, image_size=64)  # 12 KB of pixels a record: 1,800 are 22 MB
     produce(
         settings,
@@ -237,15 +251,18 @@ def test_workers_holding_every_cpu_still_get_their_streamed_input(cluster, setti
         settings.kafka_connection(),
     )
     ingest(settings, IngestConfig(), settings.kafka_connection())  # on the session's Ray: quicker
-    cluster.start_head(1, "--object-store-memory=80000000")  # 25% of it: 20 MB
-    common = settings_args(settings)
-    job = submit(
-        cluster.dashboard,
-        "train",
-        *common,
-        *("--epochs", "1", "--batch-size", "32", "--num-workers", "2", "--cpus-per-worker", "0.5"),
-    )
-    logs = wait_for_job(cluster.dashboard, job, timeout_s=600)
+    cluster = LocalRayCluster(tmp_path)
+    try:
+        cluster.start_head(1, "--object-store-memory=80000000")  # 25% of it: 20 MB
+        job = submit(
+            cluster.dashboard,
+            "train",
+            *settings_args(settings),
+            *("--epochs", "1", "--batch-size", "32", "--num-workers", "2", "--cpus-per-worker", "0.5"),
+        )
+        logs = wait_for_job(cluster.dashboard, job, timeout_s=600)
+    finally:
+        cluster.shutdown()
     assert "streaming the input" in logs and "registered" in logs, logs[-3000:]
 
 
@@ -258,7 +275,6 @@ def test_ingest_losing_a_node_commits_exactly_or_nothing_and_the_rerun_is_exact(
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     settings = produced_settings
-    cluster.start_head(num_cpus=1)
     cluster.add_node("worker", num_cpus=2)
     common = settings_args(settings)
     job = submit(cluster.dashboard, "ingest", *common)
@@ -303,7 +319,6 @@ def test_federated_rounds_lose_a_node_and_carry_on_with_the_clients_left(cluster
     deadline for replacements that have nowhere to run. (Replacing lost actors where there is room
     is test_fl.py's `test_grid_drops_slow_and_dead_clients_and_heals_its_pool`.)"""
     settings = snapshot_settings
-    cluster.start_head(num_cpus=1)
     cluster.add_node("worker", num_cpus=2)
     common = settings_args(settings)
     run = "fl-node-loss"
@@ -350,7 +365,6 @@ def test_replicas_across_nodes_switch_together_and_survive_their_node(cluster, t
     settings = Settings(storage=str(tmp_path / "data"), image_size=32, model="cnn", topic="serve-nodes")
     old = register_untrained(settings)  # the first version gets the alias
     new = register_untrained(settings)
-    cluster.start_head(num_cpus=1)
     cluster.add_node("worker", num_cpus=2)
     port = free_port()
     common = ("--storage", settings.storage, "--image-size", "32", "--model", "cnn")
