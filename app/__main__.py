@@ -71,6 +71,15 @@ def _ingest(settings: Settings, args, cfg) -> int:
     return 0
 
 
+def _migrate(settings: Settings, args) -> int:
+    from app.data.migrate import migrate
+    from app.data.snapshot import SnapshotStore
+
+    snapshots = SnapshotStore.at(settings.uri())
+    print(migrate(snapshots, settings.storage, settings.catalog, settings.table, settings.topic))
+    return 0
+
+
 def _watch(settings: Settings, args, cfg, ingest_cfg) -> int:
     from app.cluster import ray_session, require_local_gpu
     from app.data.broker import kafka_endpoint
@@ -222,6 +231,11 @@ COMMANDS = {
         options.add_watch,
         ("app.data.watch:WatchConfig", "app.config:IngestConfig"),
         needs_kafka=True,
+    ),
+    "migrate": Command(
+        "import snapshot folders of the old layout into the Iceberg table, once",
+        _migrate,
+        options.add_migrate,
     ),
     "drift": Command(
         "compare served traffic with the training snapshot; --retrain submits a job",

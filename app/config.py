@@ -20,6 +20,7 @@ MODELS = ("resnet50", "resnet18", "cnn")
 AMP_MODES = ("auto", "off", "bf16", "fp16")
 DEFAULT_TOPIC = "user_behavior_images"
 DEFAULT_MODEL_NAME = "argus-behavior"
+DEFAULT_TABLE = "argus.behavior_images"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -60,6 +61,10 @@ class Settings:
     """`kafka_config`'s properties, parsed and checked once here."""
     model_name: str = DEFAULT_MODEL_NAME
     """Registered model name in MLflow."""
+    catalog: str | None = None
+    """Iceberg catalog URI (SQLAlchemy or REST); None: SQLite under a local storage dir."""
+    table: str = DEFAULT_TABLE
+    """The Iceberg table of behaviour images, `namespace.table`."""
 
     def __post_init__(self) -> None:
         _require(self.model in MODELS, f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
@@ -75,13 +80,22 @@ class Settings:
         if self.bootstrap_servers is not None:
             for server in self.bootstrap_servers.split(","):
                 _parse_host_port(server)
-        for flag, uri in (("--mlflow-uri", self.mlflow_uri), ("--storage", self.storage)):
+        _require(
+            len(self.table.split(".")) >= 2 and all(self.table.split(".")),
+            f"--table must be namespace.table, got {self.table!r}",
+        )
+        for flag, uri in (
+            ("--mlflow-uri", self.mlflow_uri),
+            ("--storage", self.storage),
+            ("--catalog", self.catalog),
+        ):
             # A URI is logged, tagged in MLflow and part of `ray job submit` entrypoints.
             _require(
                 urlsplit(uri or "").password is None,
                 f"{flag} carries a password: give credentials through the environment "
                 "(MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN; "
-                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY), never in a URI",
+                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY; the catalog database's own variables, e.g. "
+                "PGPASSWORD), never in a URI",
             )
         if self.kafka_config is not None:
             self.kafka_properties = load_kafka_config(self.kafka_config)
@@ -324,6 +338,7 @@ SETTINGS_ENV = {
     "ARGUS_STORAGE": "storage",
     "MLFLOW_TRACKING_URI": "mlflow_uri",
     "RAY_ADDRESS": "ray_address",
+    "ARGUS_CATALOG": "catalog",
 }
 """Environment variable → Settings field (CONTRACT.md §3). A process that starts Argus commands for
 another broker, storage or registry drops these (`mlflow.set_tracking_uri` exports its own)."""

@@ -310,3 +310,17 @@ def add_drift(parser) -> None:
         help="on drift, submit ingest → train --promote-if-better as a Ray job",
     )
     parser.add_argument("--alias", help="the served alias (default champion)")
+
+
+def add_table(parser) -> None:
+    """The Iceberg table's location: every command that reads or writes the table takes these."""
+    parser.add_argument(
+        "--catalog",
+        help="Iceberg catalog: a SQLAlchemy URI or an http(s) REST catalog (ARGUS_CATALOG; "
+        "default sqlite:///<storage>/catalog.db, required when --storage is not a local path)",
+    )
+    parser.add_argument("--table", help="the table, namespace.table (default argus.behavior_images)")
+
+
+def add_migrate(parser) -> None:
+    add_table(parser)

@@ -34,7 +34,6 @@ from pyiceberg.types import (
 from app.errors import ConfigError
 
 CATALOG_NAME = "argus"
-DEFAULT_TABLE = "argus.behavior_images"
 
 FORMAT = 2
 """`argus.format` of the tables this code writes: in the table's properties and every commit's

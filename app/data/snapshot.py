@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow.fs as pafs
 
-from app.data.integrity import verify_file
+from app.data.integrity import CorruptSnapshot, verify_file
 from app.data.manifest import PIXELS, Manifest, live_manifests
 from app.storage import Store
 
@@ -60,12 +60,13 @@ class SnapshotStore:
         """Publish the snapshot: write its manifest only if none exists. False if one already did."""
         return self.snapshots.write_new(f"{manifest.snapshot_id}/{MANIFEST}", manifest.to_json().encode())
 
-    def manifests(self, *, quarantine: bool = False) -> list[Manifest]:
+    def manifests(self, *, quarantine: bool = False, strict: bool = False) -> list[Manifest]:
         """Committed snapshots' manifests, oldest first (ids sort by creation time).
 
         A manifest that does not parse is skipped with a warning; with `quarantine` (only the lease
         holder mutates storage) it is moved to `<storage>/quarantine/`, which leaves its folder
-        uncommitted: the next cleanup removes the folder and its offsets are ingested again.
+        uncommitted: the next cleanup removes the folder and its offsets are ingested again. With
+        `strict`, it is a CorruptSnapshot error instead, and nothing is moved.
         """
         manifests = []
         for info in sorted(self.snapshots.list(), key=lambda i: i.base_name):
@@ -78,6 +79,10 @@ class SnapshotStore:
             try:
                 manifests.append(Manifest.from_json(raw))
             except (ValueError, KeyError, TypeError) as exc:
+                if strict:
+                    raise CorruptSnapshot(
+                        f"snapshot {info.base_name}: manifest does not parse ({type(exc).__name__}: {exc})"
+                    ) from exc
                 action = "moved to quarantine/" if quarantine else "skipped"
                 log.warning(
                     "snapshot %s: corrupt manifest (%s: %s); %s",

@@ -29,8 +29,8 @@ from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table
 from pyiceberg.table.snapshots import Snapshot, ancestors_of
 
+from app.config import DEFAULT_TABLE
 from app.data.catalog import (
-    DEFAULT_TABLE,
     FORMAT,
     FORMAT_KEY,
     NO_RETRIES,

@@ -376,3 +376,41 @@ def test_a_dead_letter_too_large_for_the_dlq_topic_goes_to_storage_with_a_pointe
         headers["payload_size"] == str(len(big))
         and headers["payload_sha256"] == hashlib.sha256(big).hexdigest()
     )
+
+
+def test_migrate_moves_real_snapshots_into_the_table_each_offset_once(settings, ray_cluster):
+    """Two real ingests (dead letters included) in the old layout, `argus migrate`, then the table
+    read through PyIceberg alone: every snapshot row once with its pixels, the offsets continued."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    from app.__main__ import main
+
+    cfg = IngestConfig()
+    produce(settings, ProduceConfig(synthetic=40, seed=3, corrupt_fraction=0.1), settings.kafka_connection())
+    first = ingest(settings, cfg, settings.kafka_connection())
+    send(settings, valid_records(10, seed=4))
+    second = ingest(settings, cfg, settings.kafka_connection())
+    assert first.dlq > 0 and second.records == 10
+    rows = snapshot_rows(settings, first.snapshot_id) + snapshot_rows(settings, second.snapshot_id)
+
+    assert main(["migrate", *settings_args(settings)]) == 0
+    catalog = SqlCatalog(
+        "argus",
+        uri=f"sqlite:///{settings.local_storage_path / 'catalog.db'}",
+        warehouse=f"file://{settings.local_storage_path / 'warehouse'}",
+    )
+    table = catalog.load_table("argus.behavior_images")
+    migrated = {(r["kafka_partition"], r["kafka_offset"]): r for r in table.scan().to_arrow().to_pylist()}
+    assert len(migrated) == len(rows) == first.records + second.records
+    for row in rows:
+        copy = migrated[(row["partition"], row["offset"])]
+        assert copy["pixels"] == np.array(row["image"]).transpose(1, 2, 0).tobytes()
+        assert (copy["user_id"], copy["label"], copy["event_time_ms"]) == (
+            row["key"],
+            row["label"],
+            row["event_time"],
+        )
+    summaries = [s.summary.additional_properties for s in table.snapshots()]
+    assert [int(s["argus.dlq.records"]) for s in summaries] == [first.dlq, second.dlq]
+    ends = {str(p): end for p, (_, end) in {**first.offsets, **second.offsets}.items()}
+    assert json.loads(summaries[-1]["argus.kafka.committed"]) == ends

@@ -35,6 +35,7 @@ SPECIAL = {
     "snapshots": ("snap-a,snap-b", ("snap-a", "snap-b")),
     "strategy": ("fedmedian", "fedmedian"),
     "update_dtype": ("fp32", "fp32"),
+    "table": ("lake.images", "lake.images"),
 }
 # Flags only valid together with another, or instead of the baseline.
 TOGETHER = {"dp_noise": ["--dp-clip", "1.0"]}

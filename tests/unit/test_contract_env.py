@@ -9,6 +9,7 @@ import pytest
 from app.__main__ import build_parser, configure
 from app.cluster import joins_cluster
 from app.config import SETTINGS_ENV
+from app.errors import ConfigError
 
 # CONTRACT.md §3's variables: the flag, the Settings field, a value from the environment, one from the flag.
 CONTRACT_ENV = {
@@ -23,7 +24,10 @@ CONTRACT_ENV = {
     ),
     "RAY_ADDRESS": ("--ray-address", "ray_address", "10.0.0.1:6379", "10.0.0.2:6379"),
     "KAFKA_CONFIG": ("--kafka-config", "kafka_config", "env.properties", "flag.properties"),
+    "ARGUS_CATALOG": ("--catalog", "catalog", "postgresql+psycopg://env/argus", "sqlite:////flag/catalog.db"),
 }
+# The command each variable is tried with: the table's location only where the table is used.
+COMMAND = {"ARGUS_CATALOG": "migrate"}
 
 
 @pytest.fixture
@@ -42,8 +46,8 @@ def environment(monkeypatch, tmp_path):
     return set_env
 
 
-def settings_of(*argv: str):
-    settings, _ = configure(build_parser().parse_args(["train", *argv]))
+def settings_of(*argv: str, command: str = "train"):
+    settings, _ = configure(build_parser().parse_args([command, *argv]))
     return settings
 
 
@@ -54,10 +58,11 @@ def test_the_contract_lists_exactly_the_variables_settings_read():
 @pytest.mark.parametrize("variable", CONTRACT_ENV)
 def test_a_variable_reaches_its_setting_and_its_flag_overrides_it(environment, variable):
     flag, field, from_env, from_flag = CONTRACT_ENV[variable]
-    unset = getattr(settings_of(), field)
+    command = COMMAND.get(variable, "train")
+    unset = getattr(settings_of(command=command), field)
     environment(**{variable: from_env})
-    assert getattr(settings_of(), field) == from_env != unset
-    assert getattr(settings_of(flag, from_flag), field) == from_flag
+    assert getattr(settings_of(command=command), field) == from_env != unset
+    assert getattr(settings_of(flag, from_flag, command=command), field) == from_flag
 
 
 def test_an_empty_variable_counts_as_unset(environment):
@@ -93,3 +98,12 @@ def test_the_environment_is_validated_like_the_flags(cli):
     assert line.startswith("argus: error: Kafka bootstrap servers unreachable") and "127.0.0.1:1" in line
     result = cli("train", env={"ARGUS_STORAGE": "s3://AKIA:s3cret@bucket"})
     assert result.returncode == 2 and "--storage carries a password" in result.stderr
+
+
+def test_the_table_location_is_validated_like_the_rest(environment):
+    environment(ARGUS_CATALOG="postgresql+psycopg://argus:s3cret@db/argus")
+    with pytest.raises(ConfigError, match="--catalog carries a password"):
+        settings_of(command="migrate")
+    environment(ARGUS_CATALOG="postgresql+psycopg://argus@db/argus")  # the password from PGPASSWORD
+    with pytest.raises(ConfigError, match="--table must be namespace.table"):
+        settings_of("--table", "images", command="migrate")
