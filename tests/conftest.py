@@ -163,6 +163,20 @@ class MetricsWatcher:
 
 
 @pytest.fixture
+def root(tmp_path) -> Path:
+    """A test's storage root, as a local path (for tests that need no broker)."""
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def snapshots(root):
+    """The snapshot folders (the old layout) under `root`."""
+    from app.data.snapshot import SnapshotStore
+
+    return SnapshotStore.at(str(root))
+
+
+@pytest.fixture
 def settings(tmp_path, broker) -> Settings:
     return Settings(
         bootstrap_servers=broker,

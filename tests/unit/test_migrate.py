@@ -80,16 +80,6 @@ def write_snapshot(
     return manifest
 
 
-@pytest.fixture
-def root(tmp_path):
-    return tmp_path / "data"
-
-
-@pytest.fixture
-def snapshots(root) -> SnapshotStore:
-    return SnapshotStore.at(str(root))
-
-
 def read_table(root):
     """The table as any PyIceberg user reads it: the catalog, the table, a scan; no Argus code."""
     from pyiceberg.catalog.sql import SqlCatalog

@@ -56,17 +56,6 @@ def commit(
     return manifest
 
 
-@pytest.fixture
-def root(tmp_path):
-    """The storage root the tests' snapshots live under, as a local path."""
-    return tmp_path / "data"
-
-
-@pytest.fixture
-def snapshots(root) -> SnapshotStore:
-    return SnapshotStore.at(str(root))
-
-
 def test_write_stats_merge_as_if_one_task_saw_everything():
     merged = WriteStats()
     merged.merge(
