@@ -220,7 +220,10 @@ class LocalRayCluster:
         running = [job.submission_id for job in client.list_jobs() if not job.status.is_terminal()]
         for job_id in running:
             client.stop_job(job_id)
-        stopped = lambda: all(client.get_job_status(job_id).is_terminal() for job_id in running)  # noqa: E731
+
+        def stopped() -> bool:
+            return all(client.get_job_status(job_id).is_terminal() for job_id in running)
+
         self._wait(stopped, 120, "jobs to stop")
         # `serve shutdown`'s call: the dashboard shuts Serve down where it runs, and does nothing where not.
         serve_api = f"{self.dashboard}/api/serve/applications/"

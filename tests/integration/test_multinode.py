@@ -40,10 +40,11 @@ def cluster(head, request):
     test's worker nodes gone; after a failure, a new head, so one test's leftovers fail no other."""
     failed_before = request.session.testsfailed
     yield head
-    head.clear()
-    if request.session.testsfailed > failed_before:
+    if request.session.testsfailed > failed_before:  # whatever it left, even a dead head
         head.shutdown()
         head.start_head(num_cpus=1)
+    else:
+        head.clear()
 
 
 def _produce_960(settings: Settings) -> Settings:
