@@ -63,7 +63,7 @@ def migrate(snapshots: SnapshotStore, storage: str, catalog: str | None, table: 
     try:
         return _migrate(snapshots, storage, catalog, table, topic)
     except CorruptSnapshot as exc:  # refused, as a bad input is: nothing of that snapshot committed
-        raise ConfigError(f"{exc}; the snapshots before it are in the table, nothing after it") from exc
+        raise ConfigError(f"{exc}; nothing of it imported, a rerun continues where the table ends") from exc
 
 
 def _migrate(
