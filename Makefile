@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 
 # Byte-compiled here, never with --no-compile: where PYTHONDONTWRITEBYTECODE is set (as on the dev and
 # CI machines) nothing caches bytecode later, so every process (each Ray worker, job driver, CLI run)
-# compiled torch afresh: `import torch` took 7.5 s of CPU instead of 3 s, and CI 3,474 s instead of 2,554.
+# compiled torch afresh: `import torch` took 7.5 s of CPU instead of 3 s (CI once: 3,474 s, 2,554 before).
 $(BIN)/argus: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip

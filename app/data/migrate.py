@@ -136,6 +136,10 @@ def _gap(pending: list[Manifest], position: dict[int, int], report: Migration) -
 def table_rows(snapshots: SnapshotStore, manifest: Manifest) -> pa.Table:
     """A snapshot's rows in the table's columns, read through its manifest (every file's digest
     checked): pixels from channel-first [3, S, S] to row-major S x S x 3 bytes."""
+    if not manifest.files:  # every offset a dead letter or skipped: the sink wrote no file
+        return pa.table(
+            {"kafka_partition": pa.array([], pa.int32()), "kafka_offset": pa.array([], pa.int64())}
+        )
     columns = ["partition", "offset", "key", "label", "event_time", "device_id", "image"]
     columns += [name for name, kept in (("source", manifest.source), ("features", manifest.features)) if kept]
     raw = read_rows([snapshots.uri(manifest.snapshot_id)], columns)

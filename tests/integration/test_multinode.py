@@ -243,8 +243,8 @@ def _latest_checkpoint(run_dir: Path) -> dict:
 @pytest.mark.timeout(900)
 def test_workers_holding_every_cpu_still_get_their_streamed_input(settings, ray_cluster, tmp_path):
     """Input too big to hold in the object store streams from storage every epoch while two
-    half-CPU workers hold the node's only CPU: its reads must not wait for a CPU. (A head of its own:
-    under the module's other tests, an 80 MB object store once made a 768-record epoch take 70 s.)"""
+    half-CPU workers hold the node's only CPU: its reads must not wait for a CPU. (A head of its own: the
+    module's shared head keeps Ray's default object store, so the other tests hold their input.)"""
     settings = dataclasses.replace(settings, image_size=64)  # 12 KB of pixels a record: 1,800 are 22 MB
     produce(
         settings,

@@ -68,12 +68,13 @@ def write_snapshot(
             ),
         }
     )
-    buffer = pa.BufferOutputStream()
-    pq.write_table(table, buffer)
-    data = buffer.getvalue().to_pybytes()
-    relative = "event_date=2026-12-01/part-0000.parquet"
-    snapshots.folder(snapshot_id).write(relative, data)
-    stats.files.append(DataFile(relative, len(data), storage.sha256(data)))
+    if rows:  # as the sink: no file where every offset was a dead letter
+        buffer = pa.BufferOutputStream()
+        pq.write_table(table, buffer)
+        data = buffer.getvalue().to_pybytes()
+        relative = "event_date=2026-12-01/part-0000.parquet"
+        snapshots.folder(snapshot_id).write(relative, data)
+        stats.files.append(DataFile(relative, len(data), storage.sha256(data)))
     manifest = build_manifest(SPEC, snapshot_id, ranges, {}, stats, lost=lost)
     manifest = dataclasses.replace(manifest, supersedes=list(supersedes))
     assert snapshots.commit(manifest)
@@ -128,6 +129,17 @@ def test_migrate_imports_each_live_offset_once_and_continues_the_ledger(snapshot
     assert again.imported == [] and sorted(again.held) == ["snap-4", "snap-5"]
     assert len(read_table(root).snapshots()) == 2
     assert (root / "snapshots" / "snap-1" / MANIFEST).exists()  # the old layout is left as it was
+
+
+def test_a_snapshot_of_dead_letters_only_is_a_commit_without_rows(snapshots, root):
+    write_snapshot(snapshots, "snap-1", {0: (0, 2)}, dead=frozenset({(0, 0), (0, 1)}))
+    write_snapshot(snapshots, "snap-2", {0: (2, 4)})
+    report = migrate(snapshots, str(root), None, TABLE, "t")
+    assert report.imported == ["snap-1", "snap-2"] and report.rows == 2 and report.dead_letters == 2
+    table = read_table(root)
+    assert sorted(table.scan().to_arrow()["kafka_offset"].to_pylist()) == [2, 3]
+    first = table.snapshots()[0].summary.additional_properties
+    assert json.loads(first["argus.kafka.committed"]) == {"0": 2} and first["argus.dlq.records"] == "2"
 
 
 def test_a_snapshot_missing_from_the_old_layout_stops_the_migration_at_the_gap(snapshots, root):
