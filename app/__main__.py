@@ -93,6 +93,19 @@ def _watch(settings: Settings, args, cfg, ingest_cfg) -> int:
     return 0
 
 
+def _lag(settings: Settings, args, cfg) -> int:
+    from app.cluster import ray_session
+    from app.data.backlog import run_lag
+    from app.data.broker import kafka_endpoint
+    from app.data.snapshot import SnapshotStore
+
+    with kafka_endpoint(settings) as kafka, ray_session(settings):  # Ray: the gauges' endpoint
+        backlog = run_lag(SnapshotStore.at(settings.uri()), settings.topic, cfg, kafka, _stop_event())
+    for entry in backlog:
+        print(f"{settings.topic} {entry}")
+    return 0
+
+
 def _train(settings: Settings, args, cfg) -> int:
     from app.cluster import ray_session, require_local_gpu
     from app.train import train
@@ -230,6 +243,14 @@ COMMANDS = {
         _watch,
         options.add_watch,
         ("app.data.watch:WatchConfig", "app.config:IngestConfig"),
+        needs_kafka=True,
+    ),
+    "lag": Command(
+        "export each partition's backlog (log end − committed) and its oldest record's age, with "
+        "or without a watch",
+        _lag,
+        options.add_lag,
+        ("app.data.backlog:LagConfig",),
         needs_kafka=True,
     ),
     "migrate": Command(

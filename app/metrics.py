@@ -32,6 +32,16 @@ _DEFINITIONS = {
         ("topic", "partition"),
     ),
     "argus_consumer_lag_seconds": ("gauge", "Age of the oldest record not yet in a snapshot", ("topic",)),
+    "argus_backlog_records": (
+        "gauge",
+        "Records between the ledger's next offset and the log's end (argus lag)",
+        ("topic", "partition"),
+    ),
+    "argus_backlog_oldest_age_seconds": (
+        "gauge",
+        "Age of the oldest record not yet ingested, by its Kafka timestamp (argus lag)",
+        ("topic", "partition"),
+    ),
     "argus_lag_alerts": ("counter", "End-to-end lag above the alert threshold", ("topic",)),
     "argus_lag_alert_active": (
         "gauge",
@@ -40,6 +50,11 @@ _DEFINITIONS = {
     ),
     "argus_watch_parts": ("counter", "Micro-batch parts `watch` committed", ("topic",)),
     "argus_compactions": ("counter", "Compacted snapshots committed", ("topic",)),
+    "argus_compaction_failures": (
+        "counter",
+        "Compaction passes that failed (retried with backoff)",
+        ("topic",),
+    ),
     "argus_train_loss": ("gauge", "Training loss of the last epoch", ("run",)),
     "argus_train_val_accuracy": ("gauge", "Validation accuracy of the last epoch", ("run",)),
     "argus_train_images_per_second": ("gauge", "Training images per second (all workers)", ("run",)),

@@ -312,6 +312,13 @@ def add_drift(parser) -> None:
     parser.add_argument("--alias", help="the served alias (default champion)")
 
 
+def add_lag(parser) -> None:
+    parser.add_argument("--interval-s", type=float, help="seconds between two measurements (default 15)")
+    parser.add_argument(
+        "--once", action="store_true", default=None, help="measure, print and export once, then exit"
+    )
+
+
 def add_table(parser) -> None:
     """The Iceberg table's location: every command that reads or writes the table takes these."""
     parser.add_argument(

@@ -18,42 +18,77 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from app.config import IMAGENET_MEAN, IMAGENET_STD
+from app.errors import Reason
 
 if TYPE_CHECKING:
     import torch
 
-MAX_IMAGE_PIXELS = 40_000_000
-"""Decompression-bomb guard: larger declared images are rejected before decoding."""
+MAX_IMAGE_PIXELS = 4096 * 4096
+"""Decompression-bomb guard, the same in ingest, training and serving: an image declaring more
+pixels is refused before any is decoded, except a JPEG, which decodes at the smallest DCT scale
+(1/2, 1/4, 1/8) that fits. Decoded RGB is then at most 50 MB, whatever the bytes' size."""
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP")
 """The formats CONTRACT.md §1 declares: Pillow tries only these (not its ~45 others) to open a value."""
+JPEG_SCALES = (1, 2, 4, 8)
+"""The DCT scales libjpeg decodes at (PIL's draft mode)."""
+MAX_ERROR_CHARS = 300
+"""A decoder's message is quoted at most this long in a dead letter's `error` or an HTTP 400."""
 
 
 class BadImage(ValueError):
-    """The bytes are not a decodable image (or are a decompression bomb)."""
+    """The bytes are not a decodable image (or are a decompression bomb); `reason` says which."""
+
+    def __init__(self, message: str, reason: Reason = Reason.UNDECODABLE_IMAGE):
+        super().__init__(message)
+        self.reason = reason
 
 
-def decode_image(value: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+def decode_image(value: bytes, max_pixels: int = MAX_IMAGE_PIXELS, size: int | None = None) -> Image.Image:
     """Decode JPEG/PNG/WebP bytes to RGB, checking the declared size before decoding pixels.
+
+    With `size` (the side the transform resizes to), the image comes back reduced right after
+    decoding, each side to between 2x and 4x `size` (JPEGs decode at a DCT scale, the rest are
+    box-reduced), so a caller holding many decoded images holds small ones; the transform's
+    antialiased resize then finishes from there.
 
     Raises BadImage, and only BadImage, for any bytes: other formats, and whatever Pillow raises on
     malformed data (besides OSError: ValueError, SyntaxError, IndexError, struct.error, EOFError,
     KeyError, MemoryError, DecompressionBombError…), so one value never fails a batch or a request.
     """
     if not value:
-        raise BadImage("empty image")
+        raise BadImage("empty image", Reason.EMPTY_VALUE)
     try:
         image = Image.open(io.BytesIO(value), formats=IMAGE_FORMATS)
         width, height = image.size
+        scale = 1
         if width * height > max_pixels:
-            raise BadImage(f"image of {width}x{height} pixels exceeds the {max_pixels} pixel limit")
+            fits = [s for s in JPEG_SCALES if -(-width // s) * -(-height // s) <= max_pixels]
+            if image.format != "JPEG" or not fits:
+                raise BadImage(
+                    f"image of {width}x{height} pixels exceeds the {max_pixels} pixel limit",
+                    Reason.IMAGE_TOO_LARGE,
+                )
+            scale = fits[0]
+        if image.format == "JPEG":
+            if size:  # the largest scale that keeps both sides at 2x size or more, if larger
+                scale = max([scale, *(s for s in JPEG_SCALES if min(width, height) // s >= 2 * size)])
+            if scale > 1:
+                image.draft("RGB", (width // scale, height // scale))
         image.load()
-        return image.convert("RGB")
+        image = image.convert("RGB")
+        if size:
+            factor = (max(1, image.width // (2 * size)), max(1, image.height // (2 * size)))
+            if factor != (1, 1):
+                image = image.reduce(factor)
+        return image
     except BadImage:
         raise
     except UnidentifiedImageError as exc:
         raise BadImage("undecodable image: not a JPEG, PNG or WebP image") from exc
+    except MemoryError as exc:
+        raise BadImage("undecodable image: out of memory while decoding", Reason.OUT_OF_MEMORY) from exc
     except Exception as exc:
-        raise BadImage(f"undecodable image: {type(exc).__name__}: {exc}") from exc
+        raise BadImage(f"undecodable image: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]) from exc
 
 
 def resize_pixels(
@@ -111,15 +146,16 @@ def resize_uint8(image: torch.Tensor, size: int) -> torch.Tensor:
 
 def preprocess(values: Sequence[bytes], size: int, device: str | torch.device = "cpu") -> torch.Tensor:
     """The one transform: encoded image bytes → normalised [N, 3, size, size] (raises BadImage)."""
-    return normalize([decode_pixels(v) for v in values], size, device)
+    return normalize([decode_pixels(v, size) for v in values], size, device)
 
 
-def decode_pixels(value: bytes) -> np.ndarray:
-    """Encoded bytes → uint8 HWC pixels: the decode half of the transform (raises BadImage).
+def decode_pixels(value: bytes, size: int | None = None) -> np.ndarray:
+    """Encoded bytes → uint8 HWC pixels: the decode half of the transform (raises BadImage); with
+    `size`, reduced to 2x–4x that size right after decoding (see `decode_image`).
 
     numpy, not torch, so decoding never waits for torch's import (see `Preprocessor`). np.array
     makes the one writable copy torch.from_numpy needs; asarray(...).copy() is 4x slower."""
-    return np.array(decode_image(value))
+    return np.array(decode_image(value, size=size))
 
 
 def image_statistics(tensor: torch.Tensor) -> dict[str, float]:

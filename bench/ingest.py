@@ -24,6 +24,9 @@
    s3://…` with AWS_ENDPOINT_URL and keys set, else a moto server started here), alternating;
    records/s of each and the ratio. Against moto the ratio bounds Argus's own S3 overhead only
    loosely: the server is Python, in this process, on the same 2 cores.
+5. decode memory (`bench/decode_memory.py`): the peak memory one preprocessing batch adds, for
+   decompression bombs and for 1080 x 2400 screenshots, at batch 64 and 256, vs decoding the batch
+   at full size first (the plain way, before #26). Goal ≤ 2 GB per actor at any batch size.
 """
 
 from __future__ import annotations
@@ -159,6 +162,7 @@ def raw_table(values: list[bytes], labels: list[str]):
         "device_id": ["dev-0000-1"] * n,
         "schema": ["ubi.v1"] * n,
         "header_error": [None] * n,
+        "header_reason": [None] * n,
         "late": [False] * n,
         "gap_end": [None] * n,
     }
@@ -411,7 +415,7 @@ def main() -> int:
     parser.add_argument("--mem-repeats", type=int, default=2, help="rounds of the memory runs")
     parser.add_argument("--records-per-block", type=int, default=512)
     parser.add_argument(
-        "--skip", default="", help="comma list of parts to skip: read,preprocess,memory,storage"
+        "--skip", default="", help="comma list of parts to skip: read,preprocess,memory,storage,decode"
     )
     parser.add_argument(
         "--storage",
@@ -617,6 +621,16 @@ def main() -> int:
 
             if "storage" not in skip:
                 storage_part(args, bootstrap, tmp, s3_root, tables, goals)
+
+    if "decode" not in skip:
+        import decode_memory
+
+        print("\n== decode memory: one preprocessing batch of bombs, of screenshots (bench/decode_memory.py)")
+        rows, decode_goals = decode_memory.run()
+        tables.append(
+            ("peak memory one batch adds", ["images", "batch", "how", "peak added MB", "decoded"], rows)
+        )
+        goals.extend(decode_goals)
 
     print("\n== summary")
     for title, header, rows in tables:

@@ -36,6 +36,7 @@ from app.data.integrity import verify_file
 from app.data.lease import Lease, LeaseHeld, LeaseLost, SharedLease
 from app.data.manifest import DataFile, Manifest, PartitionRange, live_manifests, new_snapshot_id
 from app.data.snapshot import SnapshotStore
+from app.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,18 @@ SETTLE_S = 10.0
 FILE_BYTES = 64 * 1024 * 1024
 """Rewritten Parquet files are cut at about this many bytes of input (bounds memory too)."""
 CHECK_S = 2.0
+FAILED_BACKOFF_CAP_S = 300.0
+"""A compaction that keeps failing is retried at most this far apart (doubling from CHECK_S)."""
+STUCK_AFTER = 5
+"""Failures in a row after which a window is reported stuck (an error, not a warning)."""
+
+
+class CompactionFailed(RuntimeError):
+    """Compacting one window of parts failed; `window` names its first and last part."""
+
+    def __init__(self, parts: list[Manifest], cause: BaseException):
+        self.window = f"{parts[0].snapshot_id}..{parts[-1].snapshot_id} ({len(parts)} parts)"
+        super().__init__(f"compacting {self.window}: {type(cause).__name__}: {cause}")
 
 
 OWNER_TAG = "-w"
@@ -248,7 +261,12 @@ def compact_once(
     manifests = snapshots.manifests()
     done = []
     for group in plan_groups(manifests, topic, cfg.compact_window_s, cfg.compact_max_records, now):
-        done.append(compact(snapshots, group, fences, owner).snapshot_id)
+        try:
+            done.append(compact(snapshots, group, fences, owner).snapshot_id)
+        except LeaseLost:
+            raise
+        except Exception as exc:
+            raise CompactionFailed(group, exc) from exc
     if done:
         manifests, now = snapshots.manifests(), max(now, time.time())
     delete_superseded(snapshots, manifests, cfg.compact_grace_s, now)
@@ -258,7 +276,9 @@ def compact_once(
 class Compactor:
     """`compact_once` every CHECK_S in a thread beside the watch's pipeline, while this watch holds
     the topic's compaction lease (`compact/` under the topic's lease; tried every CHECK_S while
-    another watch holds it)."""
+    another watch holds it). A pass that fails is retried with backoff (`app.retry.Backoff`): a
+    window that keeps failing is re-read ever less often and, after STUCK_AFTER failures in a row,
+    reported stuck, with `argus_compaction_failures` counting every failure."""
 
     def __init__(self, snapshots: SnapshotStore, topic: str, cfg, hold: SharedLease, stop: threading.Event):
         self.snapshots, self.topic, self.cfg, self.hold, self.stop = snapshots, topic, cfg, hold, stop
@@ -270,24 +290,39 @@ class Compactor:
         if self.cfg.compact_window_s is not None or self.cfg.compact_max_records is not None:
             self._thread.start()
 
-    def _done(self) -> bool:
-        return self._closed.wait(CHECK_S) or self.stop.is_set()
+    def _done(self, wait_s: float = CHECK_S) -> bool:
+        return self._closed.wait(wait_s) or self.stop.is_set()
 
     def _run(self) -> None:
         fences = (self.lease, self.hold)
+        backoff = Backoff(base_s=CHECK_S, cap_s=FAILED_BACKOFF_CAP_S)
         while not self._done():
             try:
                 with self.lease.held():
                     log.info("compacting %s (this watch holds the compaction lease)", self.topic)
                     remove_abandoned(self.snapshots, self.hold)  # a compactor that died left its folder
                     while True:
+                        wait_s = CHECK_S
                         try:
                             compact_once(self.snapshots, self.topic, self.cfg, fences, self.hold.owner)
+                            backoff.succeeded()
                         except LeaseLost:
                             raise
-                        except Exception:  # the next pass retries from what is committed
-                            log.exception("compaction of %s failed", self.topic)
-                        if self._done():
+                        except Exception as exc:  # the next pass retries from what is committed
+                            wait_s = backoff.failed()
+                            metrics.inc("argus_compaction_failures", topic=self.topic)
+                            stuck = backoff.failures >= STUCK_AFTER
+                            log.log(
+                                logging.ERROR if stuck else logging.WARNING,
+                                "compaction of %s failed %d times in a row%s, next try in %.0f s: %s",
+                                self.topic,
+                                backoff.failures,
+                                " (stuck)" if stuck else "",
+                                wait_s,
+                                exc,
+                                exc_info=backoff.failures == 1,  # the traceback once, not every retry
+                            )
+                        if self._done(wait_s):
                             return
             except LeaseHeld:
                 continue  # another watch compacts; this one takes over when that one's lease expires

@@ -217,7 +217,7 @@ def raw_row(message, watermark_ms: int, allowed_lateness_ms: int) -> tuple[dict,
         headers, unreadable = message_headers(message), None
     except Exception as exc:
         headers, unreadable = None, exc
-    row = header_fields(headers, timestamp, unreadable)
+    row = header_fields(headers, timestamp, unreadable, message.key())
     event_time = row["event_time"]
     if row["header_error"] is None:
         watermark_ms = max(watermark_ms, event_time)
@@ -226,7 +226,6 @@ def raw_row(message, watermark_ms: int, allowed_lateness_ms: int) -> tuple[dict,
         offset=message.offset(),
         kafka_timestamp=timestamp,
         late=event_time < watermark_ms - allowed_lateness_ms,
-        key=message.key().decode("utf-8", "replace") if message.key() else None,
         value=message.value() or b"",
         gap_end=None,
     )
@@ -245,6 +244,7 @@ RAW_SCHEMA = pa.schema(
         ("device_id", pa.string()),
         ("schema", pa.string()),
         ("header_error", pa.string()),
+        ("header_reason", pa.string()),
         ("late", pa.bool_()),
         ("gap_end", pa.int64()),
     ]

@@ -156,6 +156,7 @@ class Manifest:
     dlq: int
     dlq_topic: str
     dlq_errors: dict[str, int]
+    """Dead letters by reason (`app.errors.Reason`; snapshots before reasons: by the error's words)."""
     classes: list[str]
     label_counts: dict[str, int]
     image_size: int

@@ -1,10 +1,11 @@
 """Ingest's preprocessing: an actor pool that cleans and transforms raw Kafka rows.
 
 Each actor runs the one transform (`app.transform`) on batches of raw records: undecodable values,
-oversized records, bad headers and unknown labels become rows with an `error` (dead letters, with
-their original bytes); good rows get the resized uint8 pixels [3, size, size] (normalisation runs
-where the model does: the training step and serving), their encoded bytes with `--keep-source`,
-and ResNet-50 features when asked.
+oversized records and images, bad or oversized headers and unknown labels become rows with an
+`error` and its fixed `reason` (`app.errors.Reason`): dead letters, with their original bytes. Good
+rows get the resized uint8 pixels [3, size, size] (normalisation runs where the model does: the
+training step and serving), their encoded bytes with `--keep-source`, and ResNet-50 features when
+asked. Memory follows the batch's output, not its images' decoded size (`PIXEL_BUDGET`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import ray
 import ray.data
 
 from app.config import IngestConfig, Settings
+from app.errors import Reason
 from app.transform import BadImage, decode_pixels, normalize_pixels, resize_pixels
 
 log = logging.getLogger(__name__)
@@ -29,15 +31,22 @@ log = logging.getLogger(__name__)
 PREPROCESS_ACTOR_CPUS = 0.5
 
 
-def _decode_or_error(value: bytes) -> np.ndarray | str:
-    """uint8 HWC pixels, or why the bytes are not an image (a dead letter's `error`). Never raises:
-    one record's failure, whatever it is, is that record's dead letter, not the batch's."""
+PIXEL_BUDGET = 24_000_000
+"""Decoded pixels an actor holds before it resizes them (72 MB of RGB). Each image is reduced right
+after decoding (`decode_pixels(value, size)`), so a batch of any size holds at most this much
+besides its output, however large its images were when encoded."""
+
+
+def _decode_or_error(value: bytes, size: int) -> np.ndarray | tuple[Reason, str]:
+    """uint8 HWC pixels reduced toward `size`, or why the bytes are not an image (a dead letter's
+    reason and `error`). Never raises: one record's failure, whatever it is, is that record's dead
+    letter, not the batch's."""
     try:
-        return decode_pixels(value)
+        return decode_pixels(value, size)
     except BadImage as exc:
-        return str(exc)
-    except Exception as exc:  # decode_pixels raises only BadImage; np.array may still run out of memory
-        return f"undecodable image: {type(exc).__name__}: {exc}"
+        return exc.reason, str(exc)
+    except MemoryError:  # np.array's copy of the decoded image
+        return Reason.OUT_OF_MEMORY, "undecodable image: out of memory while decoding"
 
 
 def _import_torch_device():
@@ -61,6 +70,7 @@ class Preprocessor:
     ):
         # Decoding dominates (~0.4–0.8 ms a 128 px PNG against ~0.15 ms to resize and normalise on
         # CPU) and Pillow releases the GIL while it decodes, so a GPU actor, one per GPU, decodes in threads.
+        self.decode_threads = decode_threads
         self.decoder = (
             ThreadPoolExecutor(decode_threads, thread_name_prefix="decode") if decode_threads > 1 else None
         )
@@ -79,51 +89,72 @@ class Preprocessor:
 
             self.backbone = feature_backbone(weights).to(self._device_future.result()).eval()
 
-    def _problem(self, row_value: bytes, label: str | None, header_error: str | None) -> str | None:
-        if header_error:
-            return header_error
-        if not len(row_value):
-            return "empty value"
-        if len(row_value) > self.max_record_bytes:
-            return f"record of {len(row_value)} bytes exceeds the {self.max_record_bytes} byte limit"
+    def _problem(self, batch: dict[str, np.ndarray], i: int) -> tuple[str, str] | None:
+        """Why row `i` of a batch is a dead letter before its value is decoded: reason, `error`."""
+        if batch["header_error"][i]:
+            return batch["header_reason"][i], batch["header_error"][i]
+        value, label = batch["value"][i], batch["label"][i]
+        if not len(value):
+            return Reason.EMPTY_VALUE, "empty value"
+        if len(value) > self.max_record_bytes:
+            return (
+                Reason.RECORD_TOO_LARGE,
+                f"record of {len(value)} bytes exceeds the {self.max_record_bytes} byte limit",
+            )
         if self.classes is not None and label is not None and label not in self.classes:
-            return f"unknown label {label!r}"
+            return Reason.UNKNOWN_LABEL, f"unknown label {label!r}"  # at most FIELD_LIMITS bytes
         return None
+
+    def _decoded(self, values: list[bytes]):
+        """Each value's `_decode_or_error`, in order, at most a few in flight (a decoder thread pool's
+        `map` would decode the whole batch before the first result is taken)."""
+        if self.decoder is None:
+            for value in values:
+                yield _decode_or_error(value, self.image_size)
+            return
+        step = 2 * self.decode_threads
+        for start in range(0, len(values), step):
+            chunk = values[start : start + step]
+            yield from self.decoder.map(_decode_or_error, chunk, [self.image_size] * len(chunk))
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         n = len(batch["offset"])
         # A nullable int column arrives as floats with NaN for "no gap" (or None, as objects).
         gap_ends = [int(g) if g is not None and g == g else -1 for g in batch["gap_end"]]
-        errors = [
-            None
-            if gap_ends[i] >= 0
-            else self._problem(batch["value"][i], batch["label"][i], batch["header_error"][i])
-            for i in range(n)
-        ]
-        candidates = [i for i in range(n) if errors[i] is None and gap_ends[i] < 0]
-        values = [batch["value"][i] for i in candidates]
-        pixels = self.decoder.map(_decode_or_error, values) if self.decoder else map(_decode_or_error, values)
-        decoded: list[np.ndarray] = []
-        good = []
-        for i, result in zip(candidates, pixels):
-            if isinstance(result, str):
-                errors[i] = result
-            else:
-                decoded.append(result)
-                good.append(i)
-        all_good = bool(good) and len(good) == n
-        images = None if all_good else np.zeros((n, 3, self.image_size, self.image_size), dtype=np.uint8)
-        if good:
-            pixels = resize_pixels(decoded, self.image_size, self._device_future.result())
-            if images is None:
-                images = pixels.cpu().numpy()  # every row good (the usual case): no scatter copy
-            else:
-                images[good] = pixels.cpu().numpy()  # dead letters keep a zero image
-            if self.backbone is not None:
+        problems = [None if gap_ends[i] >= 0 else self._problem(batch, i) for i in range(n)]
+        candidates = [i for i in range(n) if problems[i] is None and gap_ends[i] < 0]
+        images = np.zeros((n, 3, self.image_size, self.image_size), dtype=np.uint8)
+        features = np.zeros((n, 2048), dtype=np.float32) if self.backbone is not None else None
+        held: list[np.ndarray] = []
+        held_rows: list[int] = []
+        held_pixels = 0
+
+        def resize_held() -> None:  # dead letters keep a zero image
+            nonlocal held_pixels
+            if not held:
+                return
+            pixels = resize_pixels(held, self.image_size, self._device_future.result())
+            images[held_rows] = pixels.cpu().numpy()
+            if features is not None:
                 import torch
 
                 with torch.inference_mode():
-                    features = self.backbone(normalize_pixels(pixels)).cpu().numpy()
+                    features[held_rows] = self.backbone(normalize_pixels(pixels)).cpu().numpy()
+            held.clear()
+            held_rows.clear()
+            held_pixels = 0
+
+        for i, result in zip(candidates, self._decoded([batch["value"][i] for i in candidates])):
+            if isinstance(result, tuple):
+                problems[i] = result
+                continue
+            held.append(result)
+            held_rows.append(i)
+            held_pixels += result.shape[0] * result.shape[1]
+            if held_pixels >= PIXEL_BUDGET:
+                resize_held()
+        resize_held()
+        errors = [problem[1] if problem else None for problem in problems]
         out = {
             k: batch[k]
             for k in (
@@ -139,6 +170,7 @@ class Preprocessor:
             )
         }
         out["error"] = np.array(errors, dtype=object)
+        out["reason"] = np.array([str(problem[0]) if problem else None for problem in problems], dtype=object)
         out["gap_end"] = np.array(gap_ends, dtype=np.int64)  # -1: a record; else offsets it declares skipped
         # Dead letters keep their original bytes for the DLQ topic; good rows keep the tensor only.
         out["value"] = np.array([batch["value"][i] if errors[i] else b"" for i in range(n)], dtype=object)
@@ -148,11 +180,8 @@ class Preprocessor:
             out["source"] = np.array(
                 [b"" if errors[i] else batch["value"][i] for i in range(n)], dtype=object
             )
-        if self.backbone is not None:
-            feature_column = np.zeros((n, 2048), dtype=np.float32)
-            if good:
-                feature_column[good] = features
-            out["features"] = feature_column
+        if features is not None:
+            out["features"] = features
         return out
 
 

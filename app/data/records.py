@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import operator
 
+from app.errors import Reason
+
 SCHEMA_VERSION = "ubi.v1"
 
 
@@ -26,6 +28,11 @@ Event times are integers in [0, MAX_EVENT_TIME_MS]: anything else would fail a w
 (beyond int64) or write task (after year 9999), so the record goes to the DLQ instead."""
 TEXT_HEADERS = ("label", "device_id", "schema", "event_time")
 """The CONTRACT.md §1 headers Argus reads; each must be UTF-8 text."""
+FIELD_LIMITS = {"key": 256, "label": 128, "device_id": 256, "schema": 64}
+"""Bytes a record's key and its text headers may hold (a fleet's user and device ids, class names
+and schema tags are far shorter). Longer makes the record a dead letter (`header_too_long`): its
+`error` quotes the value shortened and its DLQ record leaves the field out, so no header can make
+a dead letter too large for the DLQ topic or copy itself into a commit's counts."""
 message_headers = operator.methodcaller("headers")
 """`message.headers()`, called from C so that CPython checks its result. confluent-kafka decodes
 header keys as strict UTF-8: for a key that is not, `headers()` returns a list holding a NULL key
@@ -50,11 +57,25 @@ def _event_time_ms(text: str) -> int | None:
     return int(text)
 
 
-def header_fields(headers, kafka_timestamp: int | None = None, unreadable: Exception | None = None) -> dict:
-    """A record's CONTRACT.md §1 headers → its raw-row fields (`RAW_SCHEMA`).
+def _too_long(name: str, raw: bytes | str) -> str | None:
+    limit = FIELD_LIMITS[name]
+    if len(raw) <= limit:
+        return None
+    what = "key" if name == "key" else f"header {name}"
+    return f"{what} of {len(raw)} bytes is over its {limit} byte limit: {_shown(raw)}"
 
-    Never raises for what a producer sent: a header that cannot be read sets `header_error`, which
-    makes the record a dead letter (`Preprocessor._problem`), and the row still fits `RAW_SCHEMA`.
+
+def header_fields(
+    headers,
+    kafka_timestamp: int | None = None,
+    unreadable: Exception | None = None,
+    record_key: bytes | None = None,
+) -> dict:
+    """A record's key and CONTRACT.md §1 headers → its raw-row fields (`RAW_SCHEMA`).
+
+    Never raises for what a producer sent: a header that cannot be read, or a key or header over its
+    `FIELD_LIMITS`, sets `header_error` and `header_reason`, which make the record a dead letter
+    (`Preprocessor._problem`), and the row still fits `RAW_SCHEMA` (without the oversized field).
     `unreadable` is what `message.headers()` raised: confluent-kafka decodes header keys as strict
     UTF-8 and raises SystemError from a UnicodeDecodeError for one that is not. With a
     `kafka_timestamp`, `event_time` is always an int: the header's, else the Kafka timestamp; for a
@@ -62,6 +83,7 @@ def header_fields(headers, kafka_timestamp: int | None = None, unreadable: Excep
     stand-in, which `kafka_range.read_partition_range` keeps out of the watermark).
     """
     errors: list[str] = []
+    too_long: list[str] = []
     values: dict[str, bytes | None] = {}
     if unreadable is not None:
         chain = (unreadable, unreadable.__cause__, unreadable.__context__)
@@ -82,18 +104,27 @@ def header_fields(headers, kafka_timestamp: int | None = None, unreadable: Excep
     text: dict[str, str | None] = {}
     for name in TEXT_HEADERS:
         raw = values.get(name)
+        if raw is not None and name in FIELD_LIMITS and (problem := _too_long(name, raw)):
+            text[name] = None
+            too_long.append(problem)
+            continue
         try:
             text[name] = raw.decode("utf-8") if raw is not None else None
         except UnicodeDecodeError:
             text[name] = None
             errors.append(f"header {name} is not UTF-8: {_shown(raw)}")
 
+    if record_key is not None and (problem := _too_long("key", record_key)):
+        record_key = None
+        too_long.append(problem)
     fields = {
+        "key": record_key.decode("utf-8", "replace") if record_key else None,
         "label": text["label"],
         "device_id": text["device_id"],
         "schema": text["schema"],
         "event_time": None,
         "header_error": None,
+        "header_reason": None,
     }
     raw_time = text["event_time"]
     if raw_time is not None:
@@ -112,6 +143,7 @@ def header_fields(headers, kafka_timestamp: int | None = None, unreadable: Excep
                 "event_time header"
             )
         fields["event_time"] = kafka_timestamp if valid_timestamp else 0
-    if errors:
-        fields["header_error"] = "; ".join(errors)
+    if too_long or errors:
+        fields["header_error"] = "; ".join(too_long + errors)
+        fields["header_reason"] = Reason.HEADER_TOO_LONG if too_long else Reason.BAD_HEADER
     return fields

@@ -21,9 +21,9 @@ from app.storage import Store
 
 class SnapshotSink(Datasink):
     """Ray Data sink: good rows → Parquet files straight under the snapshot's folder, by event date
-    (invisible until the manifest commits them); dead letters → `<topic>.dlq` with an `error`
-    header and their source coordinates (too large for the topic: the bytes to `<storage>/dlq/`,
-    a pointer record to the topic)."""
+    (invisible until the manifest commits them); dead letters → `<topic>.dlq` with `error` and
+    `error_reason` headers and their source coordinates (too large for the topic: the bytes to
+    `<storage>/dlq/`, a pointer record to the topic)."""
 
     def __init__(self, target: SinkTarget):
         self.target = target
@@ -55,18 +55,25 @@ class SinkTarget:
     dlq_max_bytes: int
 
 
+RECORD_OVERHEAD_BYTES = 512
+"""What a record batch adds to a record's key, value and headers, generously (Kafka's
+`max.message.bytes` limits the whole batch)."""
+
+
 def _dead_letter(row: dict, target: SinkTarget) -> tuple[bytes, list[tuple[str, bytes]]]:
-    """The DLQ record's value and headers; a value too large for the topic is stored under
-    `<storage>/dlq/` and the record carries a pointer to it instead."""
+    """The DLQ record's value and headers; a record too large for the topic (key, value and headers
+    together) has its value stored under `<storage>/dlq/` and carries a pointer to it instead."""
     headers = record_headers(row["label"], row["event_time"], row["device_id"])
     headers += [
         ("error", row["error"].encode()),
+        ("error_reason", row["reason"].encode()),
         ("source_topic", target.topic.encode()),
         ("source_partition", str(row["partition"]).encode()),
         ("source_offset", str(row["offset"]).encode()),
     ]
     value = row["value"]
-    if len(value) <= target.dlq_max_bytes:
+    size = len(value) + len((row["key"] or "").encode()) + sum(len(k) + len(v) for k, v in headers)
+    if size + RECORD_OVERHEAD_BYTES <= target.dlq_max_bytes:
         return value, headers
     # Named by its source coordinates: a rerun after a crash overwrites the same object.
     relative = f"{target.topic}/{row['partition']}-{row['offset']}.bin"
@@ -101,19 +108,29 @@ def write_snapshot_blocks(blocks, target: SinkTarget, task_name: str) -> WriteSt
             bad = [i for i, e in enumerate(errors) if e]
             if bad:
                 producer = producer or target.connection.producer()
-                columns = ["partition", "offset", "key", "value", "label", "event_time", "device_id", "error"]
+                columns = [
+                    "partition",
+                    "offset",
+                    "key",
+                    "value",
+                    "label",
+                    "event_time",
+                    "device_id",
+                    "error",
+                    "reason",
+                ]
                 for row in table.take(bad).select(columns).to_pylist():
                     value, headers = _dead_letter(row, target)
                     future = producer.send(
                         target.dlq_topic, key=(row["key"] or "").encode(), value=value, headers=headers
                     )
                     future.add_errback(failures.append)
-                    stats.dlq_errors[row["error"].split(":")[0]] += 1
+                    stats.dlq_errors[row["reason"]] += 1
             records = pc.and_(pc.is_null(table.column("error")), pc.less(table.column("gap_end"), 0))
             good = table.filter(records)
             if good.num_rows == 0:
                 continue
-            good = good.drop_columns(["error", "value", "value_size", "gap_end"])
+            good = good.drop_columns(["error", "reason", "value", "value_size", "gap_end"])
             event_times = good.column("event_time").to_pylist()
             dates = [event_date(t) for t in event_times]
             stats.labels.update(label for label in good.column("label").to_pylist() if label is not None)

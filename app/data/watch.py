@@ -24,8 +24,11 @@ from app.data.kafka import KafkaConnection, partitions_of, probe_end_offsets
 from app.data.manifest import ledger_offsets
 from app.data.snapshot import SnapshotStore
 from app.errors import ConfigError
+from app.retry import Backoff
 
 log = logging.getLogger(__name__)
+RESTART_BACKOFF_CAP_S = 60.0
+"""A watch that keeps losing what it holds starts over at most this far apart (doubling from 1 s)."""
 
 
 @dataclass(kw_only=True)
@@ -141,7 +144,9 @@ def watch(
     topic_lease = ingest_lease(snapshots.store, settings.topic)
     lease = SharedLease(topic_lease.store, ttl_s=ingest_cfg.lease_ttl_s)
     waiting = False
+    restarts = Backoff(base_s=1.0, cap_s=RESTART_BACKOFF_CAP_S)
     while not stop.is_set():
+        started = time.monotonic()
         try:
             with lease.held():
                 compactor = Compactor(snapshots, settings.topic, cfg, lease, stop)
@@ -156,6 +161,9 @@ def watch(
                 waiting = True
             stop.wait(1.0)
         except Restart as exc:
-            log.warning("watch of %s starts over from the ledger: %s", settings.topic, exc)
-            stop.wait(1.0)  # not in a tight loop should it keep losing what it takes
+            if time.monotonic() - started > RESTART_BACKOFF_CAP_S:
+                restarts.succeeded()  # it ran a good while: not the same failure again
+            wait_s = restarts.failed()  # not in a tight loop should it keep losing what it takes
+            log.warning("watch of %s starts over from the ledger in %.1f s: %s", settings.topic, wait_s, exc)
+            stop.wait(wait_s)
     return 0

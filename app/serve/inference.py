@@ -1,42 +1,12 @@
-"""What a replica does with an accepted image: decode it under a pixel cap, then classify a batch
-with the training transform (`app/transform.py`), one forward pass per model version in the batch."""
-
-import io
-import math
+"""What a replica does with a decoded image (`app.transform.decode_pixels`, under its pixel cap and
+reduced toward the model's size as ingest decodes): classify a batch with the training transform,
+one forward pass per model version in the batch."""
 
 import numpy as np
 import torch
-from PIL import Image
 
 from app import registry
-from app.transform import IMAGE_FORMATS, BadImage, decode_image, normalize
-
-MAX_DECODE_PIXELS = 4096 * 4096
-"""Far more than any model's input: larger images are refused (400), or, JPEG, decoded at 1/2..1/8."""
-
-
-def decode_upload(value: bytes) -> np.ndarray:
-    """Encoded bytes → uint8 HWC pixels, as `decode_pixels` but capped at MAX_DECODE_PIXELS: larger
-    declared sizes are refused before any pixel is decoded (BadImage), except JPEGs, which decode
-    at the smallest DCT scale (1/2, 1/4, 1/8) that fits (PIL's draft mode), never at full size."""
-    try:
-        image = Image.open(io.BytesIO(value), formats=IMAGE_FORMATS)
-        width, height = image.size
-    except Exception:
-        image = None  # decode_image says why, in its own words
-    if image is None or image.format != "JPEG" or width * height <= MAX_DECODE_PIXELS:
-        return np.array(decode_image(value, max_pixels=MAX_DECODE_PIXELS))
-    for scale in (2, 4, 8):
-        if math.ceil(width / scale) * math.ceil(height / scale) <= MAX_DECODE_PIXELS:
-            break
-    else:
-        raise BadImage(f"image of {width}x{height} pixels exceeds the {MAX_DECODE_PIXELS} pixel limit")
-    try:
-        image.draft("RGB", (width // scale, height // scale))
-        image.load()
-        return np.array(image.convert("RGB"))
-    except Exception as exc:  # malformed data raises anything (see decode_image)
-        raise BadImage(f"undecodable image: {type(exc).__name__}: {exc}") from exc
+from app.transform import normalize
 
 
 def infer(items: list[tuple[np.ndarray, registry.LoadedModel]]) -> list[tuple[dict, torch.Tensor]]:

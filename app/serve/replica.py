@@ -39,10 +39,10 @@ from app.serve.http import (
     openapi_document,
     read_image_bytes,
 )
-from app.serve.inference import decode_upload, infer
+from app.serve.inference import infer
 from app.serve.traffic import TrafficLog
 from app.serve.versions import ReplicaVersions
-from app.transform import BadImage
+from app.transform import BadImage, decode_pixels
 
 DEPLOYMENT = "ArgusModel"
 MAX_PENDING = 32
@@ -51,7 +51,8 @@ Below the deployment's max_ongoing_requests, so the replica, not Serve's proxy, 
 MAX_QUEUED = 256
 """Requests Serve's proxy queues for the deployment; beyond, the proxy answers 503 itself (text)."""
 DECODES = 2
-"""Concurrent image decodes per replica: each can hold MAX_DECODE_PIXELS x 4 bytes at its peak."""
+"""Concurrent image decodes per replica: each can hold `app.transform.MAX_IMAGE_PIXELS` x 4 bytes
+at its peak, then keeps a reduced copy."""
 
 
 @serve.deployment(
@@ -243,7 +244,7 @@ class ArgusModel:
         try:
             value = await read_image_bytes(request, self.max_body_bytes, self.body_timeout_s)
             async with self._decodes:  # decoded pixels, not bodies, are what could exhaust memory
-                pixels = await asyncio.to_thread(decode_upload, value)
+                pixels = await asyncio.to_thread(decode_pixels, value, current.card.image_size)
         except BadRequest as exc:
             return error(exc.status, str(exc), exc.headers)
         except BadImage as exc:

@@ -81,7 +81,7 @@ def build_datasets(
         if rows.any():  # an empty tensor column would not convert to Arrow
             inputs = batch[stored][rows]
             if resize:
-                inputs = resize_pixels([decode_pixels(v) for v in inputs], size).numpy()
+                inputs = resize_pixels([decode_pixels(v, size) for v in inputs], size).numpy()
             yield {
                 column: inputs,
                 "label_index": encode_labels(batch["label"][rows], classes),

@@ -224,7 +224,7 @@ def test_records_without_a_label_or_schema_header_are_kept_as_unlabelled_ubi_v1(
         "another schema": label,
     }
     manifest = list_manifests(settings)[0]
-    assert manifest.label_counts == {label: 2} and manifest.dlq_errors == {"undecodable image": 1}
+    assert manifest.label_counts == {label: 2} and manifest.dlq_errors == {"undecodable_image": 1}
     [dead] = consume_all(settings.bootstrap_servers, settings.dlq_topic, 1)
     headers = {k: v.decode() for k, v in dead.headers}
     assert headers["error"].startswith("undecodable")
@@ -358,24 +358,39 @@ def test_a_dead_letter_too_large_for_the_dlq_topic_goes_to_storage_with_a_pointe
     import hashlib
 
     big = bytes(range(256)) * 24  # 6144 bytes, not an image
-    coordinates = send(settings, valid_records(5, seed=31) + [("user-big", big, "normal", 1_700_000_000_000)])
+    [(_, image, _, _)] = valid_records(1, seed=32)
+    # A 600 KB label once went into the dead letter twice (header and `error`): over any DLQ limit.
+    long_label = ("user-label", image, "x" * 600_000, 1_700_000_000_000)
+    coordinates = send(
+        settings,
+        valid_records(5, seed=31) + [("user-big", big, "normal", 1_700_000_000_000), long_label],
+    )
     report = ingest(settings, IngestConfig(dlq_max_bytes=4000), settings.kafka_connection())
-    assert report.records == 5 and report.dlq == 1
-    [pointer] = consume_all(settings.bootstrap_servers, settings.dlq_topic, 1)
-    headers = {k: v.decode() for k, v in pointer.headers}
+    assert report.records == 5 and report.dlq == 2
+    dead = {
+        (int(h["source_partition"]), int(h["source_offset"])): (record, h)
+        for record in consume_all(settings.bootstrap_servers, settings.dlq_topic, 2)
+        for h in [{k: v.decode() for k, v in record.headers}]
+    }
+    pointer, headers = dead[coordinates[-2]]
     assert pointer.value == b"" and headers["error"].startswith("undecodable")
-    assert (int(headers["source_partition"]), int(headers["source_offset"])) == coordinates[-1]
+    assert headers["error_reason"] == "undecodable_image"
     stored = (
         settings.local_storage_path
         / "dlq"
         / settings.topic
-        / f"{coordinates[-1][0]}-{coordinates[-1][1]}.bin"
+        / f"{coordinates[-2][0]}-{coordinates[-2][1]}.bin"
     )
     assert headers["payload_uri"] == str(stored) and stored.read_bytes() == big
     assert (
         headers["payload_size"] == str(len(big))
         and headers["payload_sha256"] == hashlib.sha256(big).hexdigest()
     )
+    labelled, headers = dead[coordinates[-1]]
+    assert headers["error_reason"] == "header_too_long" and "label" not in headers
+    assert headers["error"].startswith("header label of 600000 bytes is over its 128 byte limit: b'xxx")
+    assert labelled.value == image  # small enough for the topic without its label
+    assert len(labelled.value) + sum(len(k) + len(v) for k, v in labelled.headers) < 4000
 
 
 def test_migrate_moves_real_snapshots_into_the_table_each_offset_once(settings, ray_cluster):

@@ -131,6 +131,31 @@ def test_every_poison_record_is_a_dead_letter_and_ingest_completes(settings, ray
             ("user-p15", b"\x00" * 5000, _headers(event_time=t), None),
             f"record of 5000 bytes exceeds the {MAX_RECORD_BYTES} byte limit",
         ),
+        # Headers and keys without a limit once reached the DLQ whole, and a commit's counts as keys.
+        "a 600 KB label": (
+            ("user-p16", image, _headers(label="x" * 600_000, event_time=t), None),
+            "header label of 600000 bytes is over its 128 byte limit: " + repr(b"x" * 40) + "…",
+        ),
+        "a 100 KB device_id": (
+            ("user-p17", image, _headers(event_time=t, device_id=b"d" * 100_000), None),
+            "header device_id of 100000 bytes is over its 256 byte limit: " + repr(b"d" * 40) + "…",
+        ),
+        "a 10 KB key": (
+            ("u" * 10_000, image, _headers(event_time=t), None),
+            "key of 10000 bytes is over its 256 byte limit: " + repr(b"u" * 40) + "…",
+        ),
+    }
+    reasons = {  # each dead letter's fixed `error_reason`, by its entry
+        **dict.fromkeys(list(poison)[:9], "bad_header"),
+        "empty value": "empty_value",
+        "null value": "empty_value",
+        "Pillow raises IndexError": "undecodable_image",
+        "a GIF": "undecodable_image",
+        "unknown label": "unknown_label",
+        "oversized": "record_too_large",
+        "a 600 KB label": "header_too_long",
+        "a 100 KB device_id": "header_too_long",
+        "a 10 KB key": "header_too_long",
     }
     # Poison interleaved with good records, so every block and batch mixes both.
     bad_records = [record for record, _ in poison.values()]
@@ -139,7 +164,10 @@ def test_every_poison_record_is_a_dead_letter_and_ingest_completes(settings, ray
     sent = dict(zip(coordinates, records))
     good_at = {c for c, r in sent.items() if r in good}
     reason_at = {c: reason for c, r in sent.items() for record, reason in poison.values() if r is record}
-    assert len(good_at) == 20 and len(reason_at) == len(poison) == 15
+    code_at = {
+        c: reasons[name] for c, r in sent.items() for name, (record, _) in poison.items() if r is record
+    }
+    assert len(good_at) == 20 and len(reason_at) == len(poison) == 18
 
     report = ingest(
         settings,
@@ -151,6 +179,7 @@ def test_every_poison_record_is_a_dead_letter_and_ingest_completes(settings, ray
     snapshots = SnapshotStore.at(settings.uri())
     manifest = snapshots.read_manifest(report.snapshot_id)
     assert manifest.records + manifest.dlq == len(records)
+    assert manifest.dlq_errors == Counter(reasons.values())  # counted by fixed reason, not by text
     assert sum(r.end - r.start for r in manifest.offsets.values()) == len(records)
     rows = [
         row
@@ -170,11 +199,15 @@ def test_every_poison_record_is_a_dead_letter_and_ingest_completes(settings, ray
         source = (int(headers["source_partition"]), int(headers["source_offset"]))
         expected, (key, value, _, _) = reason_at[source], sent[source]
         assert headers["source_topic"] == settings.topic
+        assert headers["error_reason"] == code_at[source], (source, headers)
         if expected.endswith(": "):
             assert headers["error"].startswith(expected), (source, headers["error"])
         else:
             assert headers["error"] == expected, (source, headers["error"])
-        assert record.key == key.encode() and record.value == (value or b"")  # the original bytes
+        assert record.value == (value or b"")  # the original bytes
+        # A key or header over its limit is left out of the dead letter (its `error` quotes it).
+        assert record.key == (key.encode() if len(key) <= 256 else b""), source
+        assert len(record.key) + sum(len(k) + len(v) for k, v in record.headers) < 2000, source
 
 
 def _send(settings, records) -> list[tuple[int, int]]:

@@ -10,6 +10,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -469,3 +470,47 @@ def test_a_watcher_paused_past_its_lease_loses_its_partitions_and_commits_no_dup
             w.send_signal(signal.SIGINT)
         assert [w.wait(60) for w in watchers] == [0, 0]
     assert sorted(live_offsets(settings)) == sorted(expected)
+
+
+def test_the_lag_exporter_sees_the_brokers_backlog_and_its_age_with_no_watch_running(
+    settings, ray_cluster, cli
+):
+    """A watch's own lag counts only what it consumed: with none running, nothing else saw the
+    backlog. `argus lag` measures it from the broker: log end − the ledger's next offset, and the
+    Kafka timestamp of the oldest record waiting."""
+    ensure_topics(settings.kafka_connection(), settings.topic, settings.dlq_topic, 2, 1)
+    ten_minutes_ago_ms = int(time.time() * 1000) - 600_000
+    producer = settings.kafka_connection().producer(linger_ms=5)
+    records = list(synth.generate(12, seed=41, size=32, late_fraction=0.0, corrupt_fraction=0.0))
+    for i, r in enumerate(records):  # partition by hand: 8 on partition 0, 4 on partition 1
+        producer.send(
+            settings.topic,
+            key=r.user_id.encode(),
+            value=r.value,
+            headers=record_headers(r.label, r.event_time_ms, r.device_id),
+            partition=0 if i < 8 else 1,
+            timestamp_ms=ten_minutes_ago_ms + (60_000 if i in (0, 8) else 120_000),  # first: older
+        )
+    producer.flush()
+    producer.close()
+
+    result = cli("lag", "--once", *settings_args(settings))
+    assert result.returncode == 0, result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith(settings.topic))
+    ages = [float(age) for age in re.findall(r"oldest waiting ([\d.]+)s", "\n".join(lines))]
+    assert [
+        re.search(r"(\d+) records behind \(committed 0, end (\d+)\)", line).groups() for line in lines
+    ] == [
+        ("8", "8"),
+        ("4", "4"),
+    ], lines
+    assert len(ages) == 2 and all(530 <= age < 600 for age in ages), ages  # 9 minutes, plus the run
+    exported = scrape(ray_cluster, "ray_argus_backlog_records", "ray_argus_backlog_oldest_age_seconds")
+    mine = [line for line in exported["ray_argus_backlog_records"] if f'topic="{settings.topic}"' in line]
+    assert sorted(float(line.rsplit(" ", 1)[1]) for line in mine) == [4.0, 8.0], mine
+
+    ingest(settings, IngestConfig(), settings.kafka_connection())  # the ledger catches up
+    result = cli("lag", "--once", *settings_args(settings))
+    assert result.stdout.count("0 records behind") == 2 and result.stdout.count("oldest waiting 0.0s") == 2, (
+        result.stdout
+    )

@@ -11,19 +11,21 @@ import pytest
 
 from app.data.kafka import RAW_SCHEMA
 from app.data.manifest import event_date
-from app.data.records import MAX_EVENT_TIME_MS, header_fields, record_headers
+from app.data.records import FIELD_LIMITS, MAX_EVENT_TIME_MS, header_fields, record_headers
 
 NOW = 1_700_000_000_000
 
 
 def test_a_valid_record_parses():
-    fields = header_fields(record_headers("phishing_page", NOW, "dev-7"), NOW + 5)
+    fields = header_fields(record_headers("phishing_page", NOW, "dev-7"), NOW + 5, record_key=b"user-1")
     assert fields == {
+        "key": "user-1",
         "label": "phishing_page",
         "device_id": "dev-7",
         "schema": "ubi.v1",
         "event_time": NOW,
         "header_error": None,
+        "header_reason": None,
     }
 
 
@@ -122,11 +124,13 @@ def test_headers_that_confluent_kafka_cannot_return_are_a_header_error():
 
 def test_without_an_event_time_header_the_kafka_timestamp_is_the_event_time():
     assert header_fields([("label", b"normal")], NOW) == {
+        "key": None,
         "label": "normal",
         "device_id": None,
         "schema": None,
         "event_time": NOW,
         "header_error": None,
+        "header_reason": None,
     }
     assert header_fields(None, NOW)["event_time"] == NOW
     assert header_fields([("event_time", None)], NOW)["event_time"] == NOW  # a null header: absent
@@ -148,6 +152,27 @@ def test_every_problem_is_named():
         "header key b'\\xff' is not UTF-8; header label is not UTF-8: b'\\xff'; "
         "event_time header 'soon' is not an integer"
     )
+    assert fields["header_reason"] == "bad_header"
+
+
+@pytest.mark.parametrize("name", ["label", "device_id", "schema", "key"])
+def test_a_key_or_header_over_its_limit_is_named_shortened_and_left_out(name):
+    limit = FIELD_LIMITS[name]
+    fits = header_fields(record_headers("normal", NOW, "dev-1") + [(name, b"a" * limit)], NOW, None, b"u")
+    assert fits["header_error"] is None
+    huge = b"\xff" + b"a" * 600_000  # not UTF-8 either: its length is what is reported
+    headers = [(k, v) for k, v in record_headers("normal", NOW, "dev-1") if k != name]
+    if name == "key":
+        fields = header_fields(headers, NOW, None, huge)
+    else:
+        fields = header_fields(headers + [(name, huge)], NOW, None, b"user-1")
+    what = "key" if name == "key" else f"header {name}"
+    assert fields["header_error"] == (
+        f"{what} of 600001 bytes is over its {limit} byte limit: {huge[:40]!r}…"
+    )
+    assert fields["header_reason"] == "header_too_long"
+    assert fields[name] is None  # the dead letter does not carry it
+    assert len(fields["header_error"]) < 200
 
 
 def _row(fields: dict) -> dict:

@@ -135,3 +135,46 @@ def test_only_the_uncommitted_folders_of_writers_that_are_gone_are_removed(tmp_p
     assert remove_abandoned(snapshots, this) == [others]  # its writer let go without committing
     assert sorted(p.name for p in folders.iterdir()) == sorted([mine, committed])
     this.release()
+
+
+def test_a_window_that_keeps_failing_is_retried_ever_less_often_and_reported_stuck(
+    snapshots, monkeypatch, caplog
+):
+    """Compaction once retried a failing window every 2 s forever, re-reading it each time."""
+    import logging
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from app.data import compact
+
+    monkeypatch.setattr(compact, "CHECK_S", 0.02)
+    monkeypatch.setattr(compact, "STUCK_AFTER", 3)
+    window = [_part("snap-a", 0, {0: (0, 5)}), _part("snap-b", 10, {0: (5, 9)})]
+    tries: list[float] = []
+
+    def failing(*args, **kwargs):
+        tries.append(time.monotonic())
+        raise compact.CompactionFailed(window, OSError("storage refused the write"))
+
+    monkeypatch.setattr(compact, "compact_once", failing)
+    hold, stop = SharedLease(snapshots.store.child("lease"), ttl_s=30), threading.Event()
+    cfg = SimpleNamespace(compact_window_s=60.0, compact_max_records=None)
+    with caplog.at_level(logging.WARNING, logger="app.data.compact"), hold.held():
+        compactor = compact.Compactor(snapshots, "t", cfg, hold, stop)
+        compactor.start()
+        deadline = time.monotonic() + 60
+        while len(tries) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        compactor.close()
+    assert len(tries) >= 5, tries
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    # Each wait is at least half of 0.02 s x 2^(failures - 1): they can only be longer, never shorter.
+    assert all(gap >= 0.01 * 2**i for i, gap in enumerate(gaps[:4])), gaps
+    messages = [
+        (r.levelno, r.getMessage()) for r in caplog.records if "compaction of t failed" in r.getMessage()
+    ]
+    window_name = "snap-a-part..snap-b-part (2 parts)"
+    assert [level for level, _ in messages[:4]] == [logging.WARNING] * 2 + [logging.ERROR] * 2
+    assert all(window_name in text for _, text in messages), messages
+    assert "failed 3 times in a row (stuck)" in messages[2][1]

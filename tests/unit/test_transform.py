@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image, ImageFile
 
-from app.transform import BadImage, decode_image, decode_pixels, preprocess, resize_uint8
+from app.transform import BadImage, decode_image, decode_pixels, normalize, preprocess, resize_uint8
 
 
 def test_preprocess_normalises_with_imagenet_statistics():
@@ -112,15 +112,50 @@ def test_any_exception_from_the_decoder_is_a_bad_image(monkeypatch, exc):
         raise exc
 
     monkeypatch.setattr(ImageFile.ImageFile, "load", broken)
-    with pytest.raises(BadImage, match=f"^undecodable image: {type(exc).__name__}"):
+    words = "out of memory" if isinstance(exc, MemoryError) else type(exc).__name__
+    with pytest.raises(BadImage, match=f"^undecodable image: {words}") as bad:
         decode_pixels(value)
+    assert bad.value.reason == ("out_of_memory" if isinstance(exc, MemoryError) else "undecodable_image")
 
 
 def test_empty_and_oversized_values_are_bad_images():
-    with pytest.raises(BadImage, match="empty image"):
+    with pytest.raises(BadImage, match="empty image") as empty:
         decode_image(b"")
-    with pytest.raises(BadImage, match="exceeds the 63 pixel limit"):
+    assert empty.value.reason == "empty_value"
+    with pytest.raises(BadImage, match="exceeds the 63 pixel limit") as large:
         decode_image(_encoded("PNG"), max_pixels=63)
+    assert large.value.reason == "image_too_large"
+
+
+def test_a_jpeg_over_the_pixel_limit_decodes_at_the_dct_scale_that_fits():
+    value = _encoded("JPEG", size=(64, 48))
+    assert decode_image(value, max_pixels=64 * 48).size == (64, 48)
+    assert decode_image(value, max_pixels=32 * 24).size == (32, 24)  # 1/2
+    assert decode_image(value, max_pixels=8 * 6).size == (8, 6)  # 1/8
+    with pytest.raises(BadImage, match="exceeds the 47 pixel limit"):
+        decode_image(value, max_pixels=47)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
+def test_a_large_image_is_reduced_right_after_decoding_to_two_to_four_times_the_size(fmt):
+    """What a batch holds of a 1080x2400 screenshot is ~2-4x the target side, not 7.8 MB."""
+    value = _encoded(fmt, size=(1080, 2400))
+    width, height = decode_image(value, size=32).size
+    assert 64 <= width < 128 and 64 <= height < 128, (width, height)
+    assert decode_image(_encoded(fmt, size=(100, 70)), size=32).size == (100, 70)  # under 4x: as is
+
+
+def test_reducing_first_changes_the_resized_pixels_by_little():
+    """Box-reducing to 2-4x before the antialiased resize is close to resizing from full size."""
+    ramp = np.linspace(0, 255, 1200, dtype=np.float32)
+    pixels = np.stack(
+        [np.add.outer(ramp[:900] * 0.5, ramp * 0.5), np.tile(ramp, (900, 1)), np.zeros((900, 1200))], -1
+    )
+    out = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(out, format="PNG")
+    reduced = preprocess([out.getvalue()], 32)
+    direct = normalize([np.array(Image.open(io.BytesIO(out.getvalue())).convert("RGB"))], 32)
+    assert (reduced - direct).abs().max() < 0.05  # in normalised units: under ~3 of 255 levels
 
 
 def _pixels(n: int = 4, size: int = 32, seed: int = 0) -> torch.Tensor:
