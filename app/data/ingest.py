@@ -180,8 +180,8 @@ def _ingest_holding(
         raise RuntimeError(f"snapshot {snapshot_id} already has a manifest: another writer used this id")
     fault("before_commit")
     ends = {p: end for p, (_, end) in ranges.items()}
-    kafka.commit_offsets(connection, cfg.group, topic, ends)
     snapshots.write_offsets(cfg.group, topic, ends)
+    kafka.commit_offsets(connection, cfg.group, topic, ends)
     report = IngestReport(
         snapshot_id,
         manifest.records,

@@ -335,12 +335,25 @@ def probe_end_offsets(
     return {p: probed.end for p, probed in probe_partitions(kafka, topic, partitions, timeout_s).items()}
 
 
-def commit_offsets(kafka: KafkaConnection, group: str, topic: str, ends: dict[int, int]) -> None:
-    """Commit `ends` as the consumer group's offsets, so Kafka's own lag tools see the ledger."""
-    from confluent_kafka import TopicPartition
+def commit_offsets(kafka: KafkaConnection, group: str, topic: str, ends: dict[int, int]) -> bool:
+    """Commit `ends` as the consumer group's offsets, so Kafka's own lag tools see the ledger;
+    False (logged) when the broker refuses. The ledger is the truth and is already written, so a
+    refusal costs only the mirror: a commit from outside the group is refused while the group has
+    members (a watch on it, or a killed one until its session times out: UNKNOWN_MEMBER_ID)."""
+    from confluent_kafka import KafkaException, TopicPartition
 
     client = kafka.consumer(**{"group.id": group})
     try:
         client.commit(offsets=[TopicPartition(topic, p, e) for p, e in ends.items()], asynchronous=False)
+        return True
+    except KafkaException as e:
+        log.warning(
+            "consumer group %s's offsets for %s not updated (%s); the ledger has them, and the next "
+            "commit mirrors them",
+            group,
+            topic,
+            e.args[0].str() if e.args else e,
+        )
+        return False
     finally:
         client.close()

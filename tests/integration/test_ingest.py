@@ -138,7 +138,8 @@ def test_ingest_is_exact_and_resumable(settings, ray_cluster, monkeypatch, caplo
     coordinates = send(settings, valid + late + corrupt + unknown + oversized)
     good, bad = set(coordinates[:61]), set(coordinates[61:])
 
-    cfg = IngestConfig(max_record_bytes=4096, allowed_lateness_s=3600)
+    # A group of its own: another test's watch may still be a member of the default one.
+    cfg = IngestConfig(max_record_bytes=4096, allowed_lateness_s=3600, group=f"g-{settings.topic}")
     first = ingest(settings, cfg, settings.kafka_connection())
     assert first.snapshot_id and first.records == 61 and first.dlq == 11
     assert any(r.getMessage().endswith("of 72 offsets written as records so far") for r in caplog.records)
@@ -182,6 +183,41 @@ def test_ingest_is_exact_and_resumable(settings, ray_cluster, monkeypatch, caplo
     committed = KafkaConsumer(bootstrap_servers=settings.bootstrap_servers, group_id=cfg.group)
     ends = {p: e for p, (_, e) in second.offsets.items()}
     for partition, end in ends.items():
+        assert committed.committed(TopicPartition(settings.topic, partition)) == end
+    committed.close()
+
+
+def test_an_ingest_while_its_group_has_a_member_commits_and_mirrors_the_offsets_later(
+    settings, ray_cluster, caplog
+):
+    """Kafka refuses a commit from outside a group that has members (a watch on it, or a killed one
+    until its session times out). The snapshot and the ledger are the commit, so the ingest still
+    succeeds; the group's offsets catch up with the next ingest once the group is empty."""
+    import time
+
+    caplog.set_level(logging.WARNING, logger="app.data.kafka")
+    cfg = IngestConfig(group=f"g-{settings.topic}")
+    send(settings, valid_records(6, seed=5))
+    member = settings.kafka_connection().consumer(**{"group.id": cfg.group, "session.timeout.ms": 6000})
+    member.subscribe([settings.topic])
+    deadline = time.monotonic() + 30
+    while not member.assignment() and time.monotonic() < deadline:
+        member.poll(0.2)
+    assert member.assignment(), "the member never joined"
+    try:
+        first = ingest(settings, cfg, settings.kafka_connection())
+    finally:
+        member.close()
+    assert first.records == 6
+    assert any(f"consumer group {cfg.group}'s offsets" in r.getMessage() for r in caplog.records)
+    ledger = json.loads(open(f"{settings.storage}/offsets/{cfg.group}.json").read())
+    assert sum(ledger["offsets"].values()) == 6
+
+    send(settings, valid_records(3, seed=6))
+    second = ingest(settings, cfg, settings.kafka_connection())
+    assert second.records == 3
+    committed = KafkaConsumer(bootstrap_servers=settings.bootstrap_servers, group_id=cfg.group)
+    for partition, (_, end) in second.offsets.items():
         assert committed.committed(TopicPartition(settings.topic, partition)) == end
     committed.close()
 
