@@ -15,9 +15,11 @@ import hashlib
 import json
 import logging
 import tempfile
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
@@ -31,6 +33,14 @@ WEIGHTS_FILE = "weights.safetensors"
 META_FILE = "argus_model.json"
 DIGEST_TAGS = {WEIGHTS_FILE: "weights_sha256", META_FILE: "card_sha256"}
 MAX_CLASSES = 1000
+# The pyfunc flavor (CONTRACT.md §5): `app/pyfunc.py` saved as code, the weights and card as its
+# artifacts (in the version's `artifacts/` folder), the `app` package as its code.
+PYFUNC_CODE = Path(__file__).with_name("pyfunc.py")
+WEIGHTS_ARTIFACT, CARD_ARTIFACT = "weights", "card"
+ARTIFACT_FILES = {WEIGHTS_ARTIFACT: WEIGHTS_FILE, CARD_ARTIFACT: META_FILE}
+IMAGE_COLUMN = "image"
+# What `app.pyfunc` imports (it needs neither Ray nor Kafka), pinned to the versions that trained it.
+PYFUNC_REQUIREMENTS = ("mlflow", "torch", "torchvision", "pillow", "numpy", "safetensors", "pyarrow")
 
 
 class TamperedModel(RuntimeError):
@@ -46,7 +56,7 @@ def _mlflow(tracking_uri: str):
 
 
 @contextlib.contextmanager
-def start_run(tracking_uri: str, artifact_root: str, run_name: str) -> Iterator:
+def start_run(tracking_uri: str, artifact_root: str | None, run_name: str) -> Iterator:
     """An MLflow run in the `argus` experiment (artifacts under `artifact_root`), ended on exit."""
     mlflow = _mlflow(tracking_uri)
     with mlflow.start_run(experiment_id=experiment_id(tracking_uri, artifact_root), run_name=run_name) as run:
@@ -63,16 +73,20 @@ def log_run(
     title: str,
     metrics: dict[str, float] | None = None,
     tags: dict[str, str] | None = None,
+    inputs: list[tuple[str, dict]] = (),
 ) -> str:
     """One MLflow run in the `argus` experiment, as train and federate both log theirs: params, each
-    history row's numbers as metrics at that row's `step` (epoch or round), extra `metrics`, and the
-    curves (PNG) and history (JSON) as artifacts. Returns the run id."""
+    history row's numbers as metrics at that row's `step` (epoch or round), extra `metrics`, the
+    curves (PNG) and history (JSON) as artifacts, and each snapshot it learnt from (its URI and
+    lineage in `inputs`) as a dataset input. Returns the run id."""
     import mlflow
 
     from app.plots import save_curves
 
     with start_run(settings.tracking_uri, artifact_root(settings), run_name) as run:
         mlflow.log_params(params)
+        for uri, lineage in inputs:
+            mlflow.log_input(snapshot_dataset(uri, lineage), context="training")
         if tags:
             mlflow.set_tags(tags)
         for row in history:
@@ -88,8 +102,23 @@ def log_run(
         return run.info.run_id
 
 
-def experiment_id(tracking_uri: str, artifact_root: str) -> str:
-    """The `argus` experiment, created with artifacts beside the storage (not in the cwd)."""
+def snapshot_dataset(uri: str, lineage: dict):
+    """A snapshot as an MLflow dataset: where it lies, named by its id, its digest that of its
+    offset ranges (the same ranges are the same records, CONTRACT.md §2)."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+
+    with warnings.catch_warnings():
+        # MLflow registers its local-file source twice and warns that a file:// URI is ambiguous.
+        warnings.filterwarnings("ignore", "The specified dataset source can be interpreted")
+        source = resolve_dataset_source(uri if "://" in uri else Path(uri).as_uri())
+    digest = hashlib.sha256(json.dumps(lineage["offsets"], sort_keys=True).encode()).hexdigest()[:16]
+    return MetaDataset(source, name=lineage["snapshot_id"], digest=digest)
+
+
+def experiment_id(tracking_uri: str, artifact_root: str | None) -> str:
+    """The `argus` experiment, created with its artifacts at `artifact_root` (None: where the
+    tracking server keeps them)."""
     mlflow = _mlflow(tracking_uri)
     experiment = mlflow.get_experiment_by_name(EXPERIMENT)
     if experiment is not None:
@@ -97,9 +126,13 @@ def experiment_id(tracking_uri: str, artifact_root: str) -> str:
     return mlflow.create_experiment(EXPERIMENT, artifact_location=artifact_root)
 
 
-def artifact_root(settings) -> str:
+def artifact_root(settings) -> str | None:
     """Artifacts live beside the snapshots: `<storage>/mlartifacts`, on local disk or an object
-    store (MLflow reads S3's endpoint and keys from the environment, as pyarrow does)."""
+    store (MLflow reads S3's endpoint and keys from the environment, as pyarrow does). With a
+    tracking server (http[s]://), None: the server's own artifact store, behind its authentication,
+    which every client of a shared registry can reach."""
+    if urlsplit(settings.tracking_uri).scheme in ("http", "https"):
+        return None
     uri = settings.uri("mlartifacts")
     return Path(uri).as_uri() if settings.is_local_storage else uri
 
@@ -172,17 +205,20 @@ def register(
     card: ModelCard,
     alias_if_first: str = "champion",
 ) -> str:
-    """Log weights and card as the run's `model` artifacts and register them as a new version.
+    """Log weights and card as the run's `model`, a pyfunc model, and register it as a new version.
 
     The first version of a name also gets the serving alias, so a fresh system serves something.
     """
     mlflow = _mlflow(tracking_uri)
     client = mlflow.MlflowClient()
     with tempfile.TemporaryDirectory() as tmp:
-        save_state_dict(model, f"{tmp}/{WEIGHTS_FILE}")
-        Path(tmp, META_FILE).write_text(card.to_json())
-        digests = {tag: _sha256(Path(tmp, name)) for name, tag in DIGEST_TAGS.items()}
-        client.log_artifacts(run_id, tmp, artifact_path="model")
+        files = Path(tmp, "files")
+        files.mkdir()
+        save_state_dict(model, str(files / WEIGHTS_FILE))
+        (files / META_FILE).write_text(card.to_json())
+        digests = {tag: _sha256(files / name) for name, tag in DIGEST_TAGS.items()}
+        save_pyfunc(f"{tmp}/model", files, card, {"name": model_name, "run_id": run_id})
+        client.log_artifacts(run_id, f"{tmp}/model", artifact_path="model")
     source = f"{client.get_run(run_id).info.artifact_uri}/model"
     if not client.search_registered_models(filter_string=f"name = '{model_name}'"):
         client.create_registered_model(model_name, description="Argus behaviour-image classifier")
@@ -201,6 +237,36 @@ def register(
         client.set_registered_model_alias(model_name, alias_if_first, version)
         log.info("%s v%s is the first version: alias %r points at it", model_name, version, alias_if_first)
     return str(version)
+
+
+def save_pyfunc(path: str, files: Path, card: ModelCard, config: dict) -> None:
+    """The pyfunc model folder at `path`: MLmodel (signature: a column of image bytes → label and
+    score), the code, the weights and card from `files`, an input example, pinned requirements."""
+    import importlib.metadata
+    import io
+
+    import mlflow
+    import pandas as pd
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, DataType, Schema
+    from PIL import Image
+
+    signature = ModelSignature(
+        inputs=Schema([ColSpec(DataType.binary, IMAGE_COLUMN)]),
+        outputs=Schema([ColSpec(DataType.string, "label"), ColSpec(DataType.double, "score")]),
+    )
+    example = io.BytesIO()
+    Image.new("RGB", (card.image_size, card.image_size), (128, 128, 128)).save(example, "PNG")
+    mlflow.pyfunc.save_model(
+        path=path,
+        python_model=str(PYFUNC_CODE),
+        artifacts={key: str(files / name) for key, name in ARTIFACT_FILES.items()},
+        code_paths=[str(PYFUNC_CODE.parent)],
+        model_config=config,
+        signature=signature,
+        input_example=pd.DataFrame({IMAGE_COLUMN: [example.getvalue()]}),
+        pip_requirements=[f"{p}=={importlib.metadata.version(p)}" for p in PYFUNC_REQUIREMENTS],
+    )
 
 
 def record_metrics(
@@ -249,15 +315,17 @@ def load(tracking_uri: str, model_name: str, version: str) -> LoadedModel:
     mlflow = _mlflow(tracking_uri)
     model_version = mlflow.MlflowClient().get_model_version(model_name, version)
     with tempfile.TemporaryDirectory() as tmp:
-        local = mlflow.artifacts.download_artifacts(artifact_uri=model_version.source, dst_path=tmp)
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_version.source, dst_path=tmp))
+        # A pyfunc version keeps them under artifacts/; one registered before the flavor, at the top.
+        folder = local / "artifacts" if (local / "artifacts" / WEIGHTS_FILE).exists() else local
         for name, tag in DIGEST_TAGS.items():
             recorded = model_version.tags.get(tag)
             if recorded is None:
                 raise TamperedModel(f"{model_name} v{version} has no {tag} tag: register it again")
-            if _sha256(Path(local, name)) != recorded:
+            if _sha256(folder / name) != recorded:
                 raise TamperedModel(f"{model_name} v{version}: {name} differs from what was registered")
-        card = ModelCard.from_json(Path(local, META_FILE).read_text())
-        state = load_state_dict(str(Path(local, WEIGHTS_FILE)))
+        card = ModelCard.from_json((folder / META_FILE).read_text())
+        state = load_state_dict(str(folder / WEIGHTS_FILE))
     model = build_model(card.arch, len(card.classes), features=card.features)
     model.load_state_dict(state)
     return LoadedModel(model.eval(), card, model_name, str(version), model_version.run_id)

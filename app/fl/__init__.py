@@ -274,6 +274,7 @@ def _finish(
             "split_test_records": split.test,
         },
         tags={"training_kind": "federated", "fl.checkpoints": fed.checkpoint_uri},
+        inputs=[(SnapshotStore.at(settings.uri()).uri(m.snapshot_id), m.lineage()) for m in manifests],
     )
     card = registry.ModelCard(
         arch=settings.model,

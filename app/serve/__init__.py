@@ -7,7 +7,6 @@ Serve's own CLI and RayService configs. A request's path through the modules:
     access.py     bearer tokens and per-token rate limits
     replica.py    the `ArgusModel` deployment: routes, batching, pending-request bound
     versions.py   which version a replica serves and prepares, in step with rollout.py's coordinator
-    inference.py  decoding under a pixel cap, one forward pass per version in a batch
     traffic.py    the traffic log `drift` reads
     deploy.py     build_app, deploy, serve_until, wait_for_version
 """

@@ -3,7 +3,7 @@ over the registry's alias (CONTRACT.md §4); `app/serve/deploy.py` deploys it.
 
 A replica fixes a request's model version when it accepts it (`app/serve/versions.py` switches
 versions with the rest of the fleet), reads the body through `app/serve/http.py`'s limits, decodes
-and classifies it with `app/serve/inference.py` in `@serve.batch` batches, and logs what it saw
+and classifies it with `app/inference.py` in `@serve.batch` batches, and logs what it saw
 (`app/serve/traffic.py`). With tokens (`app/serve/access.py`) everything but /healthz and
 /openapi.json needs `Authorization: Bearer`.
 
@@ -24,6 +24,7 @@ from ray import serve
 
 from app import metrics, registry
 from app.config import DEFAULT_MODEL_NAME
+from app.inference import infer
 from app.model import local_device
 from app.serve import access
 from app.serve.http import (
@@ -39,7 +40,6 @@ from app.serve.http import (
     openapi_document,
     read_image_bytes,
 )
-from app.serve.inference import infer
 from app.serve.traffic import TrafficLog
 from app.serve.versions import ReplicaVersions
 from app.transform import BadImage, decode_pixels

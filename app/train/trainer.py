@@ -182,6 +182,7 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
             "test_accuracy": candidate_accuracy,
         },
         title=f"{run_name} ({settings.model})",
+        inputs=[(snapshots.uri(m.snapshot_id), m.lineage()) for m in manifests],
     )
     version = registry.register(settings.tracking_uri, settings.model_name, run_id, net, card)
     verdict = None

@@ -69,6 +69,28 @@ def test_predictions_match_the_offline_model(trained, endpoint):
     assert multipart.status_code == 200 and multipart.json()["label"] == body["label"]
 
 
+def test_the_versions_pyfunc_model_answers_held_out_images_as_the_endpoint_does(trained, endpoint):
+    """CONTRACT.md §5: what `mlflow.pyfunc.load_model` loads from the registry gives, for each of 50
+    images the model never saw, the label and probability that `POST /predict` gives."""
+    import mlflow
+    import pandas as pd
+
+    settings, _, _, report, _ = trained
+    images = [r.value for r in synth.generate(50, seed=11, size=settings.image_size, corrupt_fraction=0.0)]
+    served = []
+    for value in images:
+        answer = requests.post(
+            f"{endpoint}/predict", data=value, headers={"Content-Type": "image/png"}, timeout=30
+        )
+        assert answer.status_code == 200 and answer.json()["model_version"] == report.version, answer.text
+        served.append(answer.json())
+    mlflow.set_tracking_uri(settings.tracking_uri)
+    pyfunc = mlflow.pyfunc.load_model(f"models:/{settings.model_name}/{report.version}")
+    answers = pyfunc.predict(pd.DataFrame({registry.IMAGE_COLUMN: images}))
+    assert list(answers["label"]) == [body["label"] for body in served]
+    assert list(answers["score"]) == pytest.approx([b["scores"][b["label"]] for b in served], abs=1e-5)
+
+
 def test_bad_input_is_a_json_4xx_and_the_service_keeps_serving(endpoint):
     bomb = io.BytesIO()
     Image.new("1", (9000, 9000)).save(bomb, format="PNG")  # tiny file, 81 Mpx when decoded

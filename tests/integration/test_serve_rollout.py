@@ -65,7 +65,7 @@ def unloadable(trained):
     settings, _, _, report, _ = trained
     version = register_copy(settings, report.version, "corrupted")
     source = mlflow.MlflowClient(settings.tracking_uri).get_model_version(settings.model_name, version).source
-    weights = Path(urlparse(source).path, registry.WEIGHTS_FILE)
+    (weights,) = Path(urlparse(source).path).rglob(registry.WEIGHTS_FILE)
     weights.write_bytes(b"these bytes are not safetensors")
     return version
 

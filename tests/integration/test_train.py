@@ -33,6 +33,10 @@ def test_training_learns_and_registers_lineage(trained):
     assert str(client.get_model_version_by_alias(settings.model_name, "champion").version) == report.version
     artifacts = {a.path for a in client.list_artifacts(report.run_id)}
     assert {"curves.png", "history.json", "model"} <= artifacts
+    (dataset,) = client.get_run(report.run_id).inputs.dataset_inputs  # the snapshot, as MLflow sees it
+    assert dataset.dataset.name == snapshot.snapshot_id
+    assert json.loads(dataset.dataset.source)["uri"].endswith(f"snapshots/{snapshot.snapshot_id}")
+    assert [tag.value for tag in dataset.tags] == ["training"]
     run_metrics = client.get_run(report.run_id).data.metrics
     recall_metrics = [k for k in run_metrics if k.startswith("val_recall.")]
     assert len(recall_metrics) == len(report.classes)

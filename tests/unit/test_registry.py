@@ -83,3 +83,38 @@ def test_cards_that_describe_no_buildable_model_are_refused(change, why):
 
 def test_the_stored_card_round_trips():
     assert ModelCard.from_json(CARD.to_json()) == CARD
+
+
+def test_a_registered_version_is_a_pyfunc_model_that_answers_as_serving_does(registered):
+    """CONTRACT.md §5: `mlflow.pyfunc.load_model("models:/NAME/VERSION")` predicts on raw image
+    bytes with the labels (and probabilities) a replica computes; loading it unpickles nothing."""
+    import mlflow
+    import pandas as pd
+
+    from app.data import synth
+    from app.inference import infer
+    from app.transform import decode_pixels
+
+    tracking_uri, version, folder = registered
+    assert not list(folder.parent.rglob("*.pkl"))  # saved as code: the model is this repository's file
+    mlflow.set_tracking_uri(tracking_uri)
+    pyfunc = mlflow.pyfunc.load_model(f"models:/argus-trust/{version}")
+    assert pyfunc.metadata.get_input_schema().input_names() == [registry.IMAGE_COLUMN]
+    images = [r.value for r in synth.generate(6, seed=3, size=48, late_fraction=0.0, corrupt_fraction=0.0)]
+    answers = pyfunc.predict(pd.DataFrame({registry.IMAGE_COLUMN: images}))
+
+    served = registry.load(tracking_uri, "argus-trust", version)
+    expected = [answer for answer, _ in infer([(decode_pixels(v, CARD.image_size), served) for v in images])]
+    assert list(answers["label"]) == [a["label"] for a in expected]
+    assert list(answers["score"]) == pytest.approx([a["scores"][a["label"]] for a in expected], abs=1e-6)
+    with pytest.raises(Exception, match="row 1: "):
+        pyfunc.predict(pd.DataFrame({registry.IMAGE_COLUMN: [images[0], b"not an image"]}))
+
+
+def test_a_version_registered_before_the_pyfunc_flavor_still_loads(registered):
+    """Weights and card at the top of the version's folder (the layout before the flavor)."""
+    tracking_uri, version, folder = registered
+    for name in (WEIGHTS_FILE, META_FILE):
+        (folder / name).rename(folder.parent / name)
+    loaded = registry.load(tracking_uri, "argus-trust", version)
+    assert loaded.card == CARD

@@ -1,6 +1,7 @@
-"""What a replica does with a decoded image (`app.transform.decode_pixels`, under its pixel cap and
-reduced toward the model's size as ingest decodes): classify a batch with the training transform,
-one forward pass per model version in the batch."""
+"""What a serving replica and the pyfunc model (`app.pyfunc`) do with decoded images
+(`app.transform.decode_pixels`, under its pixel cap and reduced toward the model's size as ingest
+decodes): classify a batch with the training transform, one forward pass per model version in the
+batch. Outside `app.serve`, so loading a pyfunc model needs neither Ray nor Serve."""
 
 import numpy as np
 import torch
