@@ -329,6 +329,24 @@ def run(args: argparse.Namespace) -> int:
     return command.handler(settings, args, *configs)
 
 
+def _registry_refusal(exc: Exception) -> str | None:
+    """An MLflow tracking server refusing this client (HTTP 401 or 403) as one line naming what to
+    set; None for any other failure."""
+    exceptions = sys.modules.get("mlflow.exceptions")  # not imported: not MLflow's error
+    if exceptions is None or not isinstance(exc, exceptions.MlflowException):
+        return None
+    status = exc.get_http_status_code()
+    if status not in (401, 403):
+        return None
+    import mlflow
+
+    return (
+        f"the MLflow server at {mlflow.get_tracking_uri()} refused this client (HTTP {status}): set "
+        "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) to a user "
+        "it knows with permission on the model"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -342,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         print("argus: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # a failed run: exit 1 with the cause, the traceback in the log
+        if (refusal := _registry_refusal(exc)) is not None:
+            print(f"argus: error: {refusal}", file=sys.stderr)
+            return 2
         log.debug("failure", exc_info=True)
         print(f"argus: {args.command} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
