@@ -34,8 +34,9 @@ def _flag(value) -> bool:
 def build_app(args: dict) -> serve.Application:
     """Application builder for `serve run app.serve:build_app key=value ...` and RayService configs.
 
-    Tokens: `token_digests` (what `deploy` passes), else the file `api_tokens` names, else the file
-    $ARGUS_API_TOKENS names where the application is built (a RayService mounts it from a Secret)."""
+    `num_gpus`: GPUs per replica. Tokens: `token_digests` (what `deploy` passes), else the file
+    `api_tokens` names, else the file $ARGUS_API_TOKENS names where the application is built (a
+    RayService mounts it from a Secret)."""
     options = dict(args)
     replicas = int(options.pop("num_replicas", 1))
     kwargs = {
@@ -69,7 +70,10 @@ def build_app(args: dict) -> serve.Application:
         rate_burst=int(options["rate_burst"]) if options.get("rate_burst") is not None else None,
     )
     kwargs.update(token_digests=digests, rate_limit=policy.rate_limit, rate_burst=policy.burst)
-    return ArgusModel.options(num_replicas=replicas).bind(**kwargs)
+    deployment = ArgusModel.options(num_replicas=replicas)
+    if gpus := float(options.get("num_gpus") or 0):  # a RayService sets its deployment's options instead
+        deployment = deployment.options(ray_actor_options={**ArgusModel.ray_actor_options, "num_gpus": gpus})
+    return deployment.bind(**kwargs)
 
 
 def deploy(settings, cfg, *, blocking: bool, policy: access.AccessConfig | None = None) -> str:
