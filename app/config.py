@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -303,11 +304,24 @@ class TrainConfig:
         return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
 
 
+MAX_REPLICAS = 64
+
+
+def parse_replicas(value: int | str) -> tuple[int, int] | None:
+    """`serve --replicas`: N (fixed: (N, N)) or MIN-MAX (autoscaling); None if it is neither."""
+    matched = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", str(value).strip())
+    if matched is None:
+        return None
+    low, high = int(matched[1]), int(matched[2] or matched[1])
+    return (low, high) if 1 <= low <= high <= MAX_REPLICAS else None
+
+
 @dataclass(kw_only=True)
 class ServeConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
-    replicas: int = 1
+    replicas: int | str = 1
+    """N replicas, or "MIN-MAX": Serve autoscaling between them (`replica_range`)."""
     proxy_location: str = "EveryNode"
     """Serve's HTTP proxies on every node (what a load balancer in front expects), or on the head
     only: nodes sharing one host would all bind the same port."""
@@ -321,7 +335,10 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         _require(0 < self.http_port < 65536, f"--http-port must be in 1..65535, got {self.http_port}")
-        _require(self.replicas >= 1, f"--replicas must be >= 1, got {self.replicas}")
+        _require(
+            parse_replicas(self.replicas) is not None,
+            f"--replicas must be N or MIN-MAX with 1 <= MIN <= MAX <= {MAX_REPLICAS}, got {self.replicas!r}",
+        )
         _require(
             self.proxy_location in ("EveryNode", "HeadOnly"),
             f"--proxy-location must be EveryNode or HeadOnly, got {self.proxy_location!r}",

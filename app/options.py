@@ -179,7 +179,10 @@ def add_promote_if_better(parser) -> None:
 def add_serve(parser) -> None:
     parser.add_argument("--http-host", help="default 127.0.0.1")
     parser.add_argument("--http-port", type=int, help="default 8000")
-    parser.add_argument("--replicas", type=int, help="default 1")
+    parser.add_argument(
+        "--replicas",
+        help="N replicas (default 1), or MIN-MAX: Serve scales between them on ongoing requests",
+    )
     parser.add_argument(
         "--proxy-location",
         choices=("EveryNode", "HeadOnly"),

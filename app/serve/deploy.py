@@ -14,7 +14,7 @@ import time
 
 from ray import serve
 
-from app.config import DEFAULT_MODEL_NAME
+from app.config import DEFAULT_MODEL_NAME, ServeConfig, parse_replicas
 from app.serve import access, promote
 from app.serve.replica import ArgusModel
 
@@ -38,7 +38,9 @@ def build_app(args: dict) -> serve.Application:
     `api_tokens` names, else the file $ARGUS_API_TOKENS names where the application is built (a
     RayService mounts it from a Secret)."""
     options = dict(args)
-    replicas = int(options.pop("num_replicas", 1))
+    replicas = parse_replicas(options.pop("num_replicas", 1))
+    if replicas is None:
+        raise ValueError(f"num_replicas must be N or MIN-MAX, got {args['num_replicas']!r}")
     kwargs = {
         "mlflow_uri": options["mlflow_uri"],
         "model_name": options.get("model_name", DEFAULT_MODEL_NAME),
@@ -70,7 +72,14 @@ def build_app(args: dict) -> serve.Application:
         rate_burst=int(options["rate_burst"]) if options.get("rate_burst") is not None else None,
     )
     kwargs.update(token_digests=digests, rate_limit=policy.rate_limit, rate_burst=policy.burst)
-    deployment = ArgusModel.options(num_replicas=replicas)
+    low, high = replicas
+    if low == high:
+        deployment = ArgusModel.options(num_replicas=low)
+    else:  # a replica's share is a full batch: more ongoing requests than that add a replica
+        target = kwargs.get("max_batch_size", ServeConfig.max_batch_size)
+        deployment = ArgusModel.options(
+            autoscaling_config={"min_replicas": low, "max_replicas": high, "target_ongoing_requests": target}
+        )
     if gpus := float(options.get("num_gpus") or 0):  # a RayService sets its deployment's options instead
         deployment = deployment.options(ray_actor_options={**ArgusModel.ray_actor_options, "num_gpus": gpus})
     return deployment.bind(**kwargs)

@@ -32,6 +32,7 @@ SPECIAL = {
     "model": ("cnn", "cnn"),
     "classes": ("cat,dog", ("cat", "dog")),
     "num_workers": ("2-4", (2, 4)),
+    "replicas": ("2-4", "2-4"),
     "snapshots": ("snap-a,snap-b", ("snap-a", "snap-b")),
     "strategy": ("fedmedian", "fedmedian"),
     "update_dtype": ("fp32", "fp32"),
