@@ -160,6 +160,8 @@ def plain_loop_rate(model_name: str, size: int, batch: int, amp: str, device: st
 
 
 def train_part(args, device: str, tmp: Path) -> list[str]:
+    import train as train_bench  # bench/train.py: reading a run's history
+
     from app.config import IngestConfig, Settings, TrainConfig
     from app.data.ingest import ingest
     from app.train import train
@@ -196,7 +198,7 @@ def train_part(args, device: str, tmp: Path) -> list[str]:
                     run_name=f"bench-gpu-{amp}",
                 ),
             )
-            history = json.loads(Path(report_history(settings, report.run_id)).read_text())
+            history = json.loads(Path(train_bench.report_history(settings, report.run_id)).read_text())
             argus = history[-1]["train_images_per_second"]
             plain = plain_loop_rate(args.model, args.image_size, args.batch_size, amp, device, args.plain_s)
             rows.append([f"{args.model} {amp}", argus, plain, f"{argus / plain:.2f}×"])
@@ -213,13 +215,6 @@ def train_part(args, device: str, tmp: Path) -> list[str]:
         rows,
     )
     return goals
-
-
-def report_history(settings, run_id: str) -> str:
-    import mlflow
-
-    mlflow.set_tracking_uri(settings.tracking_uri)
-    return mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="history.json")
 
 
 # ---------------------------------------------------------------- 3. serving

@@ -5,7 +5,8 @@
 A token file holds one token, or `sha256:<hex>` of one, per line (blank lines and `#` comments are
 skipped). Only SHA-256 digests leave the file: they are what replicas keep and compare, in constant
 time, so neither the file nor a replica's memory needs to hold a usable token. Rate limits are a
-token bucket per token, kept by each replica (N replicas allow up to N times the rate in total).
+token bucket per token for the deployment as a whole: each of N replicas keeps 1/N of it, N from
+the rollout coordinator's answers.
 No Ray, no torch here: `app/serve/replica.py` wires it into the replicas;
 tests/unit/test_http_auth.py tests it.
 """
@@ -94,12 +95,23 @@ class TokenCheck:
 
 
 class RateLimiter:
-    """A token bucket per key: `rate` requests a second on average, bursts of up to `burst`."""
+    """A token bucket per key: `rate` requests a second on average, bursts of up to `burst`, for the
+    deployment as a whole: each of N replicas keeps 1/N of both (`share_among`)."""
 
     def __init__(self, rate: float, burst: int, clock=time.monotonic):
-        self.rate, self.burst, self._clock = rate, burst, clock
+        self.total_rate, self.total_burst, self._clock = rate, burst, clock
+        self.rate, self.burst = rate, burst
         self._buckets: dict[str, tuple[float, float]] = {}  # key → (tokens left, when counted)
         self._lock = threading.Lock()
+
+    def share_among(self, replicas: int) -> None:
+        """Keep this replica's share when `replicas` serve: together they admit no more than the
+        rate, and bursts of at most max(burst, replicas). Serve's router spreads requests, so a
+        token near its limit may see a 429 a little early, never N times the rate."""
+        replicas = max(1, int(replicas))
+        with self._lock:
+            self.rate = self.total_rate / replicas
+            self.burst = max(1, self.total_burst // replicas)
 
     def take(self, key: str) -> float:
         """Take one request from `key`'s bucket: 0.0 if allowed, else the seconds until one is."""

@@ -99,7 +99,10 @@ class ArgusModel:
         self.predict_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
         # A replica given `num_gpus` keeps its models on that GPU (local_device).
         node = ray.get_runtime_context().get_node_id()
-        self.versions = ReplicaVersions(mlflow_uri, model_name, alias, poll_s, local_device(), context, node)
+        share = self.limiter.share_among if self.limiter else None
+        self.versions = ReplicaVersions(
+            mlflow_uri, model_name, alias, poll_s, local_device(), context, node, on_replica_count=share
+        )
         self.versions.start()
 
     def __del__(self):
@@ -128,7 +131,7 @@ class ArgusModel:
             return error(401, message, {"WWW-Authenticate": 'Bearer realm="argus"'})
         wait_s = self.limiter.take(key) if self.limiter else 0.0
         if wait_s:
-            message = f"over the rate limit of {self.limiter.rate:g} requests/s for this token"
+            message = f"over the rate limit of {self.limiter.total_rate:g} requests/s for this token"
             return error(429, message, {"Retry-After": access.retry_after(wait_s)})
         return None
 

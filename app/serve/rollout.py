@@ -158,7 +158,9 @@ class RolloutState:
                 scheduled.previous,
             )
             self.plan = scheduled
-        return {"plan": self.plan.to_dict() if self.plan else None, "ready": ready}
+        # How many replicas share the deployment's rate limit (the reporting ones, or Serve's count).
+        replicas = max(len(live), running or 0)
+        return {"plan": self.plan.to_dict() if self.plan else None, "ready": ready, "replicas": replicas}
 
     def snapshot(self, now: float, running: int | None) -> dict:
         """GET /rollout: the activation and every live replica's last report."""

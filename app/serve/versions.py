@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from app import metrics, registry
 from app.serve import rollout
@@ -26,9 +27,19 @@ class ReplicaVersions:
     coordinator (reported to every `poll_s`) and the registry's alias (polled as often)."""
 
     def __init__(
-        self, mlflow_uri: str, model_name: str, alias: str, poll_s: float, device, context, node: str
+        self,
+        mlflow_uri: str,
+        model_name: str,
+        alias: str,
+        poll_s: float,
+        device,
+        context,
+        node: str,
+        on_replica_count: Callable[[int], None] | None = None,
     ):
         self.mlflow_uri, self.model_name, self.alias, self.poll_s = mlflow_uri, model_name, alias, poll_s
+        self.on_replica_count = on_replica_count
+        """Called with the deployment's replica count at each coordinator answer (the rate limit's share)."""
         self.device, self.node = device, node
         self.replica = context.replica_id.unique_id
         self.serving: registry.LoadedModel | None = None
@@ -166,6 +177,8 @@ class ReplicaVersions:
             return False
         self._coordinator_reachable = True
         self._follow_plan(rollout.Plan.from_dict(answer["plan"]))
+        if self.on_replica_count is not None and answer.get("replicas"):  # older coordinators: absent
+            self.on_replica_count(answer["replicas"])
         if answer["ready"]:
             self._coordinator_answered.set()
         return True

@@ -30,6 +30,16 @@ class MlflowServer(NamedTuple):
     artifacts: Path  # where the server keeps the artifacts clients upload through it
 
 
+def stop(process: subprocess.Popen, terminate, timeout_s: float) -> None:
+    """`terminate()` it; SIGKILL its process group if it has not exited within `timeout_s`."""
+    terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     directory = tmp_path_factory.mktemp("mlflow-server")
@@ -80,12 +90,7 @@ def mlflow_server(tmp_path_factory):
             directory / "artifacts",
         )
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop(server, lambda: os.killpg(server.pid, signal.SIGTERM), timeout_s=30)
         log.close()
 
 
@@ -173,10 +178,5 @@ def test_train_register_serve_and_promote_through_a_server_with_basic_auth(
         assert registry.resolve(settings.tracking_uri, settings.model_name, "champion") == candidate
         assert served_version(url, images[0]) == candidate
     finally:
-        serving.send_signal(signal.SIGTERM)  # it stops its own Ray
-        try:
-            serving.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            os.killpg(serving.pid, signal.SIGKILL)
-            serving.wait()
+        stop(serving, lambda: serving.send_signal(signal.SIGTERM), timeout_s=180)  # it stops its own Ray
         log.close()

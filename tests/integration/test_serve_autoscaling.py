@@ -1,16 +1,18 @@
-"""`serve --replicas MIN-MAX`: Serve autoscaling on ongoing requests, with a rollout during the
-scale-up. Real Serve on the session's Ray, real HTTP on 127.0.0.1, a real registry."""
+"""Serve's replica count: `serve --replicas MIN-MAX` (autoscaling on ongoing requests) with a rollout
+during the scale-up, and a rate limit that holds for the deployment whatever the count. Real Serve
+on the session's Ray, real HTTP on 127.0.0.1, a real registry."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+import requests
 
 from app.config import ServeConfig, parse_replicas
 
 from conftest import run_cli
-from served import Traffic, register_untrained, sequential, start
+from served import Traffic, register_untrained, sequential, start, token_file
 
 CLIENTS = 12
 """Back-to-back clients: 12 ongoing requests against a target of 2 a replica ask for 6 replicas."""
@@ -76,5 +78,41 @@ def test_replicas_scale_up_under_load_and_a_promote_during_it_reaches_every_one(
         assert {version for version, _ in after} == {candidate}
         replicas = {replica for _, replica in after}
         assert len(replicas) == 3, replicas  # the late replica answers, with the new version
+    finally:
+        serve.shutdown()
+
+
+@pytest.mark.slow
+def test_the_rate_limit_holds_for_the_deployment_whatever_its_replica_count(tmp_path, ray_cluster):
+    """Three replicas, one token at 0.2 requests/s with a burst of 3: requests spread over the
+    replicas are admitted no more than the bucket allows the deployment (burst + rate × elapsed),
+    not three times that, and the 429s name the deployment's rate."""
+    from ray import serve
+
+    from app.data import synth
+
+    path, tokens = token_file(tmp_path, ["alice"])
+    headers = {"Authorization": f"Bearer {tokens['alice']}", "Content-Type": "image/png"}
+    limits = {"api_tokens": str(path), "rate_limit": 0.2, "rate_burst": 3}
+    url, _, _ = start(tmp_path, num_replicas=3, poll_s=0.5, **limits)
+    try:
+        wait_until(
+            lambda: len(requests.get(f"{url}/rollout", headers=headers, timeout=30).json()["replicas"]) == 3,
+            240,
+            "not every replica reported",
+        )
+        time.sleep(3)  # six reports each: every replica has had the coordinator's count since
+        value = next(synth.generate(1, seed=4, size=32)).value
+        started, answers = time.monotonic(), []
+        for _ in range(30):
+            answers.append(requests.post(f"{url}/predict", data=value, headers=headers, timeout=30))
+        elapsed = time.monotonic() - started
+        statuses = [answer.status_code for answer in answers]
+        assert set(statuses) <= {200, 429}, statuses
+        admitted = statuses.count(200)
+        # Each replica keeping the whole bucket would admit up to 3 × this.
+        assert 1 <= admitted <= 3 + 0.2 * elapsed, (admitted, elapsed)
+        refused = next(answer for answer in answers if answer.status_code == 429)
+        assert "0.2 requests/s" in refused.json()["error"] and int(refused.headers["Retry-After"]) >= 1
     finally:
         serve.shutdown()

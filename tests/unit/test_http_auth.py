@@ -78,6 +78,22 @@ def test_token_bucket_allows_a_burst_then_the_rate():
     assert [limiter.take("a") for _ in range(4)][:3] == [0.0, 0.0, 0.0]  # refills to the burst, no more
 
 
+def test_replicas_share_the_rate_so_together_they_admit_no_more_than_it():
+    now = [100.0]
+    replicas = [RateLimiter(rate=3.0, burst=6, clock=lambda: now[0]) for _ in range(3)]
+    for limiter in replicas:
+        limiter.share_among(3)
+    assert {(limiter.total_rate, limiter.rate, limiter.burst) for limiter in replicas} == {(3.0, 1.0, 2)}
+    admitted = sum(limiter.take("a") == 0.0 for _ in range(10) for limiter in replicas)
+    assert admitted == 6  # the burst, spread over the replicas
+    now[0] += 2.0
+    assert sum(limiter.take("a") == 0.0 for _ in range(10) for limiter in replicas) == 6  # 2 s at 3/s
+    replicas[0].share_among(1)  # alone again: the whole rate and burst
+    assert (replicas[0].rate, replicas[0].burst) == (3.0, 6)
+    replicas[1].share_among(10)  # more replicas than burst: each still admits one
+    assert replicas[1].burst == 1
+
+
 def test_loopback_hosts():
     assert all(map(is_loopback, ["127.0.0.1", "127.5.0.1", "::1", "[::1]", "localhost"]))
     assert not any(map(is_loopback, ["0.0.0.0", "::", "10.0.0.5", "example.internal", ""]))

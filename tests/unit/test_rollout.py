@@ -63,7 +63,7 @@ def test_the_lead_outlasts_two_polls_and_reports_go_stale_after_three():
 def test_a_fresh_application_serves_the_alias_and_later_replicas_get_what_is_active():
     state = RolloutState(stale_s=5.0, lead_s=LEAD, started_at=0.0)
     first = state.report(report("a", None, alias_version="1"), now=1.0, running=0)
-    assert first == {"plan": Plan("1", 1.0).to_dict(), "ready": True}
+    assert first == {"plan": Plan("1", 1.0).to_dict(), "ready": True, "replicas": 1}
     # The alias moves on before the second replica starts: it is still told to load v1.
     second = state.report(report("b", None, alias_version="2"), now=1.5, running=1)
     assert second["plan"]["version"] == "1"
@@ -86,6 +86,14 @@ def test_the_rollout_is_scheduled_once_and_reported_back_to_every_replica():
     ]
 
 
+def test_the_answer_counts_the_replicas_that_share_the_rate_limit():
+    state = RolloutState(stale_s=5.0, lead_s=LEAD, started_at=-60.0)
+    assert state.report(report("a", "1"), 1.0, None)["replicas"] == 1  # Serve's count unknown
+    assert state.report(report("b", "1"), 1.5, 1)["replicas"] == 2  # b reports before Serve counts it
+    assert state.report(report("a", "1"), 2.0, 3)["replicas"] == 3  # c runs, not yet reporting
+    assert state.report(report("a", "1"), 9.0, 1)["replicas"] == 1  # b's report went stale
+
+
 def test_a_dead_replicas_report_ages_out():
     state = RolloutState(stale_s=5.0, lead_s=LEAD, started_at=-60.0)
     state.report(report("gone", "1"), 1.0, 2)
@@ -101,9 +109,10 @@ def test_a_new_coordinator_adopts_what_replicas_know_before_telling_a_starting_o
     pending = Plan("2", at=105.0, previous="1")
     state = RolloutState(stale_s=5.0, lead_s=LEAD, started_at=100.0)
     # A replacement replica reports first: replicas are running, so it is told to wait.
-    assert state.report(report("new", None, alias_version="3"), 100.5, 2) == {"plan": None, "ready": False}
+    waiting = state.report(report("new", None, alias_version="3"), 100.5, 2)
+    assert waiting == {"plan": None, "ready": False, "replicas": 2}
     answer = state.report(report("a", "1", "2", plan=pending), 101.0, 2)
-    assert answer == {"plan": pending.to_dict(), "ready": True}
+    assert answer == {"plan": pending.to_dict(), "ready": True, "replicas": 2}
     # An older plan reported later does not replace the newer one.
     state.report(report("b", "1", "2", plan=Plan("1", 50.0)), 101.2, 2)
     assert state.plan == pending
