@@ -321,7 +321,7 @@ class ServeConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     replicas: int | str = 1
-    """N replicas, or "MIN-MAX": Serve autoscaling between them (`replica_range`)."""
+    """N replicas, or "MIN-MAX": Serve autoscaling between them (`parse_replicas`)."""
     proxy_location: str = "EveryNode"
     """Serve's HTTP proxies on every node (what a load balancer in front expects), or on the head
     only: nodes sharing one host would all bind the same port."""

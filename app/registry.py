@@ -16,7 +16,7 @@ import json
 import logging
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -73,7 +73,7 @@ def log_run(
     title: str,
     metrics: dict[str, float] | None = None,
     tags: dict[str, str] | None = None,
-    inputs: list[tuple[str, dict]] = (),
+    inputs: Iterable[tuple[str, dict]] = (),
 ) -> str:
     """One MLflow run in the `argus` experiment, as train and federate both log theirs: params, each
     history row's numbers as metrics at that row's `step` (epoch or round), extra `metrics`, the
