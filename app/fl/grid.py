@@ -29,6 +29,9 @@ from app.fl.config import FederateConfig
 
 log = logging.getLogger(__name__)
 
+PING_TIMEOUT_S = 10.0
+"""How long a round's start waits for idle actors to prove they are alive (an idle one answers in ms)."""
+
 
 # ---------------------------------------------------------------- Flower internals, in one place
 
@@ -61,6 +64,9 @@ class _ClientActor:
         """The reply in Flower's wire format (protobuf), as a SuperNode sends it to a SuperLink."""
         reply = self.app(Message(content=content, metadata=metadata), context)
         return message_to_proto(reply).SerializeToString()
+
+    def ping(self) -> bool:
+        return True
 
 
 ClientActor = ray.remote(max_restarts=0)(_ClientActor)
@@ -175,6 +181,24 @@ class RayGrid(Grid):
         else:
             log.warning("no room for a replacement client actor: the pool shrinks to %d", self._size())
 
+    def _prune_dead(self) -> None:
+        """Drop idle actors that died while they waited (their node lost after their last message):
+        a message sent to one would fail a client that a live actor could have run. A ping not yet
+        answered proves nothing, so such an actor stays."""
+        if not self._idle:
+            return
+        pings = {actor.ping.remote(): actor for actor in self._idle}
+        answered, _ = ray.wait(list(pings), num_returns=len(pings), timeout=PING_TIMEOUT_S)
+        dead = []
+        for ref in answered:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                dead.append(pings[ref])
+        if dead:
+            self._idle = [actor for actor in self._idle if all(actor is not d for d in dead)]
+            log.warning("%d idle client actor(s) found dead: dropped", len(dead))
+
     def _regrow(self) -> None:
         missing = min(self.num_actors - self._size(), self._room())
         for _ in range(max(0, missing)):
@@ -227,6 +251,7 @@ class RayGrid(Grid):
     ) -> Iterable[Message]:
         started = time.monotonic()
         self.last = RoundTraffic()
+        self._prune_dead()
         self._regrow()
         ids = list(self.push_messages(messages))
         self.last.sent = len(ids)

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -241,5 +242,27 @@ def test_grid_drops_slow_and_dead_clients_and_heals_its_pool(ray_cluster):
         # four answer.
         assert _echo_round(grid, {"slow": [-1]}) == ([0, 1, 2, 3], [])
         assert grid.num_actors == 4 and len(grid._idle) == 4
+    finally:
+        grid.close()
+
+
+@pytest.mark.timeout(300)
+def test_an_actor_that_dies_between_rounds_fails_no_client(ray_cluster):
+    """An idle actor whose node is lost between its last message and the next round is found dead
+    and replaced before the round, not sent a client that then fails."""
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    grid = RayGrid(2, num_actors=2, num_cpus=0.25, app_ref=echo_app)
+    try:
+        assert _echo_round(grid, {}) == ([0, 1], [])
+        lost = grid._idle[0]
+        ray.kill(lost, no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError):
+            while True:  # until the kill has landed
+                ray.get(lost.ping.remote(), timeout=60)
+                time.sleep(0.1)
+        assert _echo_round(grid, {}) == ([0, 1], [])
+        assert grid.last.failed == 0 and len(grid._idle) == 2
     finally:
         grid.close()

@@ -9,6 +9,7 @@ import json
 import select
 import socket
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from typing import NamedTuple
@@ -242,9 +243,16 @@ def test_stalled_uploads_end_in_408_and_pending_requests_are_bounded_with_503(gu
             )
             stalled.append(sock)
         # Until both uploads reach the replica a probe is answered; then it is refused, not queued.
+        # Probes are paced: each costs one of the token's BURST (CI once answered more than BURST
+        # back-to-back probes before its loaded proxy handed the uploads over), and the uploads stay
+        # pending for BODY_TIMEOUT_S once they arrive, so a pause cannot miss them.
+        answered = 0
         while (busy := probe()).status_code == 200:
             readable, _, _ = select.select(stalled, [], [], 0)
             assert not readable, "the uploads were answered before any probe found the replica full"
+            answered += 1
+            time.sleep(0.5)
+        print(f"\n{answered} probe(s) answered before the uploads filled the replica")
         _assert_json_error(busy, 503)
         assert busy.headers["Retry-After"] == "1" and "pending" in busy.json()["error"]
         for sock in stalled:
