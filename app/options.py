@@ -202,7 +202,7 @@ def add_serve(parser) -> None:
         "--rate-limit",
         type=float,
         metavar="RPS",
-        help="requests/s per token and replica (default 50, 0: off)",
+        help="requests/s per token across all replicas (default 50, 0: off)",
     )
     parser.add_argument("--rate-burst", type=int, help="requests a token may send at once (default 2 x RPS)")
     parser.add_argument(

@@ -20,7 +20,7 @@ from pathlib import Path
 from app.cluster import SERVE_ENV
 from app.net import free_port
 
-from conftest import ROOT, child_env
+from conftest import ROOT, child_env, missing_dependency
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -47,7 +47,9 @@ class LocalRayCluster:
     address: str = ""
     dashboard: str = ""
     metrics_port: int = 0
+    head_env: dict[str, str] = field(default_factory=dict)  # the head's own (e.g. RAY_REDIS_ADDRESS)
     nodes: dict[str, Node] = field(default_factory=dict)  # the started ones not killed
+    _head_args: list[str] = field(default_factory=list, repr=False)
     started: list[Node] = field(default_factory=list)  # every node ever started
     # Short: Ray's socket paths have a length limit.
     temp_dir: str = field(default_factory=lambda: f"/tmp/argus-ray-{uuid.uuid4().hex[:6]}")
@@ -91,20 +93,17 @@ class LocalRayCluster:
         then stops the whole node (seen when two test processes ran side by side)."""
         for attempt in (1, 2):
             gcs_port, dashboard_port, self.metrics_port = free_port(), free_port(), free_port()
-            node = self._start(
-                name,
-                num_cpus,
-                [
-                    "--head",
-                    f"--port={gcs_port}",
-                    "--dashboard-host=127.0.0.1",
-                    f"--dashboard-port={dashboard_port}",
-                    f"--ray-client-server-port={free_port()}",
-                    f"--metrics-export-port={self.metrics_port}",
-                    f"--temp-dir={self.temp_dir}",
-                    *options,
-                ],
-            )
+            self._head_args = [
+                "--head",
+                f"--port={gcs_port}",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={dashboard_port}",
+                f"--ray-client-server-port={free_port()}",
+                f"--metrics-export-port={self.metrics_port}",
+                f"--temp-dir={self.temp_dir}",
+                *options,
+            ]
+            node = self._start(name, num_cpus, self._head_args, self.head_env)
             self.address, self.dashboard = f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dashboard_port}"
             try:
                 self._wait(lambda: self._job_server_answers(), 120, "the head's job server")
@@ -117,7 +116,21 @@ class LocalRayCluster:
         self.wait_for_nodes(1)
         return node
 
-    def add_node(self, name: str, num_cpus: float) -> Node:
+    def restart_head(self, name: str = "head") -> Node:
+        """A new head node where a killed one was: the same ports, the same `head_env` (with GCS fault
+        tolerance, the same Redis), so the nodes left reconnect to it."""
+        assert name not in self.nodes, "kill the head first"
+        num_cpus = next(n.num_cpus for n in self.started if n.name == name)
+        # A session dir of its own: `ray start --head` refuses to start where the dead head's
+        # ray_current_cluster names a GCS address that the worker's processes still use.
+        args = [a for a in self._head_args if not a.startswith("--temp-dir=")]
+        node = self._start(
+            name, num_cpus, [*args, f"--temp-dir={self.temp_dir}-{name}{len(self.started)}"], self.head_env
+        )
+        self._wait(lambda: self._job_server_answers(), 120, "the restarted head's job server")
+        return node
+
+    def add_node(self, name: str, num_cpus: float, env: dict[str, str] | None = None) -> Node:
         assert self.address, "start the head first"
         before = len(self.alive_node_ids())
         # A session dir of its own: nodes sharing one would share runtime_resources/, and a node's
@@ -125,11 +138,11 @@ class LocalRayCluster:
         # it, under the job driver running on another node (seen: the driver's cwd vanished).
         # Numbered: a node started again under a killed one's name gets a fresh dir too.
         temp_dir = f"{self.temp_dir}-{name}{len(self.started)}"
-        node = self._start(name, num_cpus, [f"--address={self.address}", f"--temp-dir={temp_dir}"])
+        node = self._start(name, num_cpus, [f"--address={self.address}", f"--temp-dir={temp_dir}"], env)
         self.wait_for_nodes(before + 1)
         return node
 
-    def _start(self, name: str, num_cpus: float, args: list[str]) -> Node:
+    def _start(self, name: str, num_cpus: float, args: list[str], env: dict[str, str] | None = None) -> Node:
         log = self.log_dir / f"ray-{name}.log"
         process = subprocess.Popen(
             [
@@ -147,8 +160,8 @@ class LocalRayCluster:
                 "--disable-usage-stats",
                 *args,
             ],
-            env=self.env(),
-            stdout=open(log, "w"),
+            env={**self.env(), **(env or {})},
+            stdout=open(log, "a"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
@@ -157,14 +170,16 @@ class LocalRayCluster:
         self.started.append(node)
         return node
 
-    def kill(self, name: str) -> float:
+    def kill(self, name: str, noticed: bool = True) -> float:
         """SIGKILL the node's whole process group, as a lost machine; return when (time.time()) it
-        died."""
+        died. `noticed`: return once the GCS's health checks have noticed (not for the head: its
+        GCS dies with it)."""
         node = self.nodes.pop(name)
         killed_at = time.time()  # nothing between this and the kill: tests compare against it
         os.killpg(node.process.pid, signal.SIGKILL)
         node.process.wait(30)
-        self.wait_for_nodes(len(self.nodes))  # the GCS's health checks have noticed
+        if noticed:
+            self.wait_for_nodes(len(self.nodes))
         return killed_at
 
     def alive_node_ids(self) -> list[str]:
@@ -240,6 +255,57 @@ class LocalRayCluster:
         self.nodes.clear()
         for directory in Path("/tmp").glob(f"{Path(self.temp_dir).name}*"):
             shutil.rmtree(directory, ignore_errors=True)
+
+
+@dataclass
+class RedisServer:
+    """Debian's `redis-server` on 127.0.0.1, in memory only: the store of a head's GCS fault tolerance."""
+
+    process: subprocess.Popen
+    port: int
+
+    @classmethod
+    def start(cls, log_dir: Path) -> RedisServer:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            missing_dependency("redis-server not found: apt-get install redis-server (.ci/run does)")
+        port = free_port()
+        process = subprocess.Popen(
+            [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+            stdout=open(log_dir / "redis.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        server = cls(process, port)
+        deadline = time.monotonic() + 30
+        while not server.answers():
+            assert process.poll() is None, (
+                f"redis-server exited {process.returncode}: see {log_dir}/redis.log"
+            )
+            assert time.monotonic() < deadline, "redis-server did not answer PING"
+            time.sleep(0.1)
+        return server
+
+    def answers(self) -> bool:
+        import socket
+
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=2) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def head_env(self, namespace: str) -> dict[str, str]:
+        """A head's GCS keeps its tables here, under `namespace` (the same for each head restarted)."""
+        return {"RAY_REDIS_ADDRESS": f"127.0.0.1:{self.port}", "RAY_external_storage_namespace": namespace}
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
 
 
 def submit(dashboard: str, *command: str, env: dict[str, str] | None = None) -> str:

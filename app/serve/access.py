@@ -138,7 +138,7 @@ class AccessConfig:
     api_tokens: str | None = None
     """Token file (env ARGUS_API_TOKENS). Without one the API is open, which only loopback allows."""
     rate_limit: float = 50.0
-    """Requests a second per token and replica, on average; 0 turns the limit off."""
+    """Requests a second per token across the deployment, on average; 0 turns the limit off."""
     rate_burst: int | None = None
     """Requests a token may send at once before the rate applies (default: twice the rate, >= 1)."""
     docs: bool = False

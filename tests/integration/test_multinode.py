@@ -20,7 +20,7 @@ from app.net import free_port
 from app.serve.promote import wait_for_rollout
 
 from conftest import TEST_IMAGE_SIZE, run_cli, settings_args
-from ray_nodes import LocalRayCluster, submit, wait_for_job
+from ray_nodes import LocalRayCluster, RedisServer, submit, wait_for_job
 from served import CLIENTS, Traffic, register_untrained, sequential
 
 
@@ -410,3 +410,78 @@ def test_replicas_across_nodes_switch_together_and_survive_their_node(cluster, t
     # per client, twice over for the replicas' health checks noticing late. Measured: 3 of 2,349.
     assert len(failed) <= 2 * CLIENTS, failed[:5]
     assert {version for version, _ in sequential(url, 30)} == {new}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_head_dies_and_comes_back_on_redis_while_the_workers_replicas_keep_serving(tmp_path):
+    """GCS fault tolerance as kuberay/ runs it: a head (no CPUs: it runs no replicas) keeps its GCS
+    tables in Redis; two replicas and a proxy run on a worker node. The head is SIGKILLed under
+    traffic to the worker's proxy and started again on the same Redis: every request is answered,
+    the worker and its replicas live on, the Serve job's history is still there, and a promote
+    afterwards reaches every replica. Without Redis the new head starts an empty cluster, and the
+    worker, whose raylet it does not know, is lost with its replicas."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    redis = RedisServer.start(tmp_path)
+    settings = Settings(storage=str(tmp_path / "data"), image_size=32, model="cnn", topic="serve-head")
+    old = register_untrained(settings)
+    new = register_untrained(settings)
+    # Raylets and workers wait this long for a GCS to come back (default 60 s: a loaded host's
+    # restart can take longer).
+    reconnect = {"RAY_gcs_rpc_server_reconnect_timeout_s": "300"}
+    cluster = LocalRayCluster(
+        tmp_path, head_env={**redis.head_env(f"argus-{uuid.uuid4().hex[:8]}"), **reconnect}
+    )
+    head_port, worker_port = free_port(), free_port()
+    try:
+        cluster.start_head(num_cpus=0)
+        # Both nodes share this host: the worker's proxy takes a port of its own.
+        cluster.add_node(
+            "worker", num_cpus=2, env={"RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(worker_port), **reconnect}
+        )
+        common = ("--storage", settings.storage, "--image-size", "32", "--model", "cnn")
+        serve_job = submit(
+            cluster.dashboard, "serve", "--detach", "--replicas", "2", "--http-port", str(head_port), *common
+        )
+        wait_for_job(cluster.dashboard, serve_job, timeout_s=300)
+        url = f"http://127.0.0.1:{worker_port}"
+        wait_for_rollout(url, old, timeout_s=240)
+        replicas = {r["replica"] for r in _live_replicas(url)}
+
+        with Traffic(url) as traffic:
+            traffic.wait_for_answers()
+            cluster.kill("head", noticed=False)
+            time.sleep(5)  # serving with no head at all
+            down = sum(map(len, traffic.answers))
+            cluster.restart_head()
+            cluster.wait_for_nodes(2)  # the new head, and the worker it found in Redis
+            deadline = time.monotonic() + 240
+            while not _serve_running(cluster):
+                assert time.monotonic() < deadline, "Serve's controller did not come back"
+                time.sleep(1)
+            traffic.wait_for_answers()
+        served, failed = sum(map(len, traffic.answers)), traffic.failed
+        print(f"\nhead lost and restarted: {len(failed)} of {served} requests to the worker's proxy failed")
+        assert failed == [], failed[:5]
+        assert served > down > 0  # answered while the head was gone, and after it came back
+        assert cluster.nodes["worker"].alive
+        assert {r["replica"] for r in _live_replicas(url)} == replicas  # the same replicas, not new ones
+        jobs = JobSubmissionClient(cluster.dashboard).list_jobs()
+        assert [job.status for job in jobs if job.submission_id == serve_job] == [JobStatus.SUCCEEDED]
+
+        promoted = run_cli("promote", new, "--wait-url", url, *common, timeout=300)
+        assert promoted.returncode == 0, promoted.stderr[-3000:]
+        assert {version for version, _ in sequential(url, 30)} == {new}
+    finally:
+        cluster.shutdown()
+        redis.stop()
+
+
+def _serve_running(cluster) -> bool:
+    """Whether the dashboard's Serve API answers with the application RUNNING (its controller is up)."""
+    try:
+        answer = requests.get(f"{cluster.dashboard}/api/serve/applications/", timeout=10)
+        return answer.json()["applications"]["argus"]["status"] == "RUNNING"
+    except (requests.RequestException, ValueError, KeyError, TypeError):
+        return False

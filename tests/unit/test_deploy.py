@@ -174,7 +174,18 @@ KIND_BREAKS = {
         ),
         "ttl-as-string": lambda cr: cr["spec"].__setitem__("ttlSecondsAfterFinished", "600"),
     },
+    "RayCluster": {
+        "gcs-backend-unknown": lambda cr: cr["spec"]["gcsFaultToleranceOptions"].__setitem__(
+            "backend", "etcd"
+        ),
+        "upgrade-strategy-unknown": lambda cr: cr["spec"]["upgradeStrategy"].__setitem__("type", "Rolling"),
+    },
     "RayService": {
+        "redis-password-misspelt": lambda cr: cr["spec"]["rayClusterConfig"][
+            "gcsFaultToleranceOptions"
+        ].__setitem__(
+            "redisPasword", cr["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"].pop("redisPassword")
+        ),
         "serveConfigV2-as-mapping": lambda cr: cr["spec"].__setitem__(
             "serveConfigV2", yaml.safe_load(cr["spec"]["serveConfigV2"])
         ),
@@ -299,6 +310,76 @@ def test_head_services_do_not_collide():
     # RayCluster and RayService both create `<metadata.name>-head-svc` in the namespace.
     names = [load_cr(kind)["metadata"]["name"] + "-head-svc" for kind in ("RayCluster", "RayService")]
     assert len(set(names)) == len(names), names
+
+
+# --- KubeRay: the head node's loss (README.md, "What survives which failure") ------------------
+
+FAULT_TOLERANT = ("RayCluster", "RayService")  # a RayJob's cluster lives for its one job
+
+
+def load_redis() -> dict[str, dict]:
+    with open(KUBERAY / "redis.yaml") as f:
+        docs = [d for d in yaml.safe_load_all(f) if d]
+    kinds = {d["kind"]: d for d in docs}
+    assert len(kinds) == len(docs), "redis.yaml: one object of each kind expected"
+    return kinds
+
+
+def _arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+@pytest.mark.parametrize("kind", FAULT_TOLERANT)
+def test_the_heads_gcs_keeps_its_tables_in_the_redis_of_redis_yaml(kind):
+    """gcsFaultToleranceOptions point at redis.yaml's Service with the password its Redis requires;
+    that Redis keeps an append-only file on its claimed volume and admits the cluster's pods."""
+    spec = cluster_spec(load_cr(kind))
+    redis = load_redis()
+    options = spec["gcsFaultToleranceOptions"]
+    assert options.get("backend", "redis") == "redis"
+    host, port = options["redisAddress"].rsplit(":", 1)
+    service, deployment = redis["Service"], redis["Deployment"]
+    assert host == service["metadata"]["name"] and int(port) in {p["port"] for p in service["spec"]["ports"]}
+    pod = deployment["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    args = container["args"]
+    secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
+    assert (
+        secrets[_arg(args, "--requirepass").strip("$()")]
+        == options["redisPassword"]["valueFrom"]["secretKeyRef"]
+    )
+    # What Redis holds outlives Redis's own restart.
+    assert _arg(args, "--appendonly") == "yes"
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == _arg(args, "--dir")]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
+    assert volume["persistentVolumeClaim"]["claimName"] == redis["PersistentVolumeClaim"]["metadata"]["name"]
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"  # never two pods on one RWO volume
+    # Only Ray pods reach it, and this cluster's pods are Ray pods.
+    (rule,) = redis["NetworkPolicy"]["spec"]["ingress"]
+    assert rule["from"] == [
+        {"podSelector": {"matchExpressions": [{"key": CLUSTER_LABEL, "operator": "Exists"}]}}
+    ]
+    assert {p["port"] for p in rule["ports"]} == {int(port)}
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        assert CLUSTER_LABEL in group["template"]["metadata"]["labels"]
+    # The operator sets the head's Redis address, password and key prefix: hand-set ones would fight it.
+    for c in containers(spec):
+        assert not {e["name"] for e in c.get("env", [])} & {
+            "RAY_REDIS_ADDRESS",
+            "RAY_external_storage_namespace",
+        }
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # no replica or task dies with it
+
+
+def test_serve_traffic_never_depends_on_the_head():
+    """The Service reaches the workers' proxies only, every node with a replica runs one, and a new
+    image brings up a whole cluster before traffic moves (a head restart loses nothing: above)."""
+    cr = load_cr("RayService")
+    assert cr["spec"]["excludeHeadPodFromServeSvc"] is True
+    assert cr["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
+    assert yaml.safe_load(cr["spec"]["serveConfigV2"])["proxy_location"] == "EveryNode"
+    assert load_cr("RayCluster")["spec"]["upgradeStrategy"] == {"type": "None"}  # never kill running jobs
 
 
 # --- KubeRay: monitoring (README.md, "Monitoring") -----------------------------------------
