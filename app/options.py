@@ -150,6 +150,11 @@ def add_federate(parser) -> None:
         "--dp-noise", type=float, help="Gaussian noise multiplier on the aggregate (needs --dp-clip)"
     )
     parser.add_argument("--dp-delta", type=float, help="delta at which epsilon is reported (default 1e-5)")
+    parser.add_argument(
+        "--dp-max-epsilon",
+        type=float,
+        help="privacy budget: stop before a round whose release would take epsilon past it",
+    )
     parser.add_argument("--update-dtype", help="fp16 (default) or fp32 updates on the wire")
     parser.add_argument("--min-clients", type=int, help="fewest valid updates that make a round")
     parser.add_argument("--round-timeout-s", type=float, help="drop clients slower than this (default 600)")

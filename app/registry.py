@@ -152,6 +152,10 @@ class ModelCard:
     split: dict | None = None
     """The event-time split (`app.selection.EventTimeSplit`): which records picked the model and
     which judged it; None for versions registered before the split existed."""
+    privacy: dict | None = None
+    """Under differential privacy, what it promises and how it was counted (epsilon, delta, noise
+    multiplier, clip, rounds, client sampling, accountant, and whether the starting model had
+    seen these users' data without DP); None for a model trained without DP."""
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=2, sort_keys=True)

@@ -33,11 +33,11 @@ from app.data.manifest import Manifest, discover_classes
 from app.data.snapshot import SnapshotStore, read_rows
 from app.errors import ConfigError
 from app.fl.checkpoint import load_checkpoint
-from app.fl.config import MEAN_STRATEGIES, FederateConfig, FederateReport
+from app.fl.config import FederateConfig, FederateReport
 from app.fl.evaluation import CentralEvaluation
 from app.fl.grid import RayGrid, pool_size, stamp_task_identity
 from app.fl.privacy import GaussianAccountant
-from app.fl.server_app import Federation, build_server_app, build_strategy
+from app.fl.server_app import Federation, build_server_app, build_strategy, over_budget
 from app.fl.task import labelled_rows, model_arrays, partition_sizes
 from app.selection import EventTimeSplit, promote_if_better
 
@@ -78,6 +78,14 @@ def _initial_model(
             "does not fit this run: " + "; ".join(differ)
         )
     return loaded.model.train(), version
+
+
+def _trained_without_dp(settings: Settings, version: str | None) -> bool:
+    """Whether the registered `version` a run starts from was trained without DP: it may have learnt
+    the very images a DP run's epsilon is about."""
+    if version is None:
+        return False
+    return registry.load(settings.tracking_uri, settings.model_name, version).card.privacy is None
 
 
 def central_test(
@@ -153,7 +161,16 @@ def federate(
         releases = meta.get("privacy_releases", [[z, 1.0] for z in meta.get("noise_multipliers", [])])
         init_version = meta.get("init_version")
         log.info("resuming federated run %s after round %d", run_name, start_round)
-    accounted = cfg.dp and cfg.dp_noise > 0 and cfg.strategy in MEAN_STRATEGIES
+    init_without_dp = cfg.dp and _trained_without_dp(settings, init_version)
+    if init_without_dp:
+        log.warning(
+            "--init-from %s: v%s was trained without differential privacy, possibly on these users' "
+            "images; the epsilon reported covers only this run's rounds, not what v%s already learnt",
+            cfg.init_from,
+            init_version,
+            init_version,
+        )
+    accounted = cfg.accounted
     if cfg.dp and cfg.dp_noise > 0 and not accounted:
         log.warning(
             "--strategy %s with DP noise: epsilon is not reported (no mean, no accountant)", cfg.strategy
@@ -173,12 +190,19 @@ def federate(
         init_version=init_version,
         start_round=start_round,
         history=history,
+        init_without_dp=init_without_dp,
         accountant=(
             GaussianAccountant(cfg.dp_delta, releases, poisson=cfg.client_sampling == "poisson")
             if accounted
             else None
         ),
     )
+    if fed.start_round == 0 and (epsilon := over_budget(cfg, fed.accountant)) is not None:
+        raise ConfigError(
+            f"--dp-max-epsilon {cfg.dp_max_epsilon:g}: one round alone spends epsilon {epsilon:.3f} "
+            f"(z={cfg.dp_noise:g}, {cfg.clients_per_round} of {cfg.clients} clients, "
+            f"delta={cfg.dp_delta:g}); raise --dp-noise or the budget"
+        )
     # Node i + 1 runs client i (RayGrid numbers its nodes so): the server's own count of each
     # client's rows weighs its update, whatever the client claims.
     sizes = partition_sizes(
@@ -209,6 +233,27 @@ def federate(
     return _finish(
         settings, cfg, fed, run_name, manifests, wire, num_actors, split, central, before_promotion
     )
+
+
+def _privacy_record(cfg: FederateConfig, fed: Federation) -> dict:
+    """The model card's account of its differential privacy (`ModelCard.privacy`)."""
+    spent = fed.accountant.get_privacy_spent() if fed.accountant else None
+    return {
+        "epsilon": spent.epsilon if spent else None,  # None: noise on no mean, nothing accounted
+        "delta": cfg.dp_delta,
+        "noise_multiplier": cfg.dp_noise,
+        "clip": cfg.dp_clip,
+        "rounds": len(fed.history),
+        "releases": spent.num_releases if spent else 0,
+        "client_sampling": cfg.client_sampling,
+        "sampling_rate": cfg.clients_per_round / cfg.clients,
+        "sampling_secret": True,
+        "accountant": f"dp-accounting RdpAccountant, {spent.accounting_method}" if spent else None,
+        "max_epsilon": cfg.dp_max_epsilon,
+        "stopped": fed.stopped,
+        "init_version": fed.init_version,
+        "init_without_dp": fed.init_without_dp,
+    }
 
 
 @contextlib.contextmanager
@@ -285,6 +330,7 @@ def _finish(
         snapshots=[m.lineage() for m in manifests],
         metrics=metrics,
         split=split.to_dict(),
+        privacy=_privacy_record(cfg, fed) if cfg.dp else None,
     )
     version = registry.register(settings.tracking_uri, settings.model_name, run_id, fed.model.eval(), card)
     verdict = None
@@ -305,7 +351,7 @@ def _finish(
         run_name=run_name,
         metrics=metrics,
         history=history,
-        rounds_run=cfg.rounds - fed.start_round if fed.start_round < cfg.rounds else 0,
+        rounds_run=len(history) - fed.start_round,
         resumed_from=fed.start_round,
         classes=fed.classes,
         epsilon=epsilon,

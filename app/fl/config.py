@@ -28,9 +28,9 @@ class FederateConfig:
     """Clients sampled for training each round (the expected number under Poisson sampling)."""
     client_sampling: str = "fixed"
     """fixed: exactly `clients_per_round` clients, drawn without replacement; poisson: each client
-    joins independently with probability clients_per_round / clients (the accountant then counts
-    the subsampling's amplification). Both are seeded by `seed` and the round, so a resumed run
-    samples what an unbroken one would."""
+    joins independently with probability clients_per_round / clients (under DP the accountant then
+    counts the subsampling's amplification). Without DP both are seeded by `seed` and the round, so
+    a resumed run samples what an unbroken one would; under DP by a secret drawn each round."""
     local_epochs: int = 1
     batch_size: int = 32
     lr: float = 0.05
@@ -50,6 +50,9 @@ class FederateConfig:
     """Clip each client's update to this L2 norm; None turns differential privacy off."""
     dp_delta: float = 1e-5
     """Delta at which epsilon is reported."""
+    dp_max_epsilon: float | None = None
+    """Privacy budget: no round runs whose release would take epsilon past this (the run stops
+    early and registers what it has); None: no limit. Needs DP noise and a mean strategy."""
     update_dtype: str = "fp16"
     """Precision of the updates clients send (fp16 or fp32); aggregation is always fp32."""
     min_clients: int | None = None
@@ -122,6 +125,13 @@ class FederateConfig:
             self.dp_noise == 0 or self.dp_clip is not None, "--dp-noise needs --dp-clip (the sensitivity)"
         )
         require(0 < self.dp_delta < 1, "--dp-delta must be in (0, 1)")
+        if self.dp_max_epsilon is not None:
+            require(self.dp_max_epsilon > 0, "--dp-max-epsilon must be > 0")
+            require(
+                self.dp_noise > 0 and self.strategy in MEAN_STRATEGIES,
+                "--dp-max-epsilon needs --dp-clip, --dp-noise > 0 and a mean strategy "
+                f"({', '.join(MEAN_STRATEGIES)}): only then is epsilon accounted",
+            )
         require(
             self.update_dtype in UPDATE_DTYPES,
             f"--update-dtype must be fp16 or fp32, got {self.update_dtype!r}",
@@ -160,6 +170,11 @@ class FederateConfig:
     def dp(self) -> bool:
         return self.dp_clip is not None
 
+    @property
+    def accounted(self) -> bool:
+        """Whether epsilon is accounted: DP noise on a mean, which the accountant's events describe."""
+        return self.dp and self.dp_noise > 0 and self.strategy in MEAN_STRATEGIES
+
 
 @dataclass
 class FederateReport:
@@ -171,7 +186,7 @@ class FederateReport:
     history: list[dict]
     """One row per round: losses, accuracies, clients ok/failed/timed out/rejected, bytes, epsilon."""
     rounds_run: int
-    """Rounds this call ran (fewer than `rounds` when it resumed)."""
+    """Rounds this call ran (fewer than `rounds` when it resumed or the privacy budget ran out)."""
     resumed_from: int
     classes: list[str]
     epsilon: float | None

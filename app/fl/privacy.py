@@ -1,12 +1,13 @@
 """Differential privacy on the federated aggregate: each update clipped, Gaussian noise from a fresh
 CSPRNG-seeded generator on the mean over a fixed count (`GaussianRelease`, `private_mean`), and the
-Rényi-DP accountant that turns the releases into an epsilon (`GaussianAccountant`). The guard
+accountant that turns the releases into an epsilon (`GaussianAccountant`, dp-accounting's Rényi DP). The guard
 (`guard.py`) applies the release; the rounds (`server_app.py`) compose one event per round."""
 
 from __future__ import annotations
 
 import collections
 import functools
+import logging
 import math
 import secrets
 from collections.abc import Iterable
@@ -74,102 +75,52 @@ def private_mean(
 # ---------------------------------------------------------------- the accountant
 
 
-RDP_ORDERS = np.array([1 + x / 10 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512, 1024])
-"""Rényi orders: dp-accounting's defaults, so both convert to the same epsilon."""
-
-
-def _log_add(a: float, b: float) -> float:
-    low, high = min(a, b), max(a, b)
-    return high if low == -math.inf else math.log1p(math.exp(low - high)) + high
-
-
-def _log_comb(n: float, k: float) -> float:
-    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
-
-
-def _log_erfc(x: float) -> float:
-    value = math.erfc(x)
-    if value > 0:
-        return math.log(value)
-    # erfc underflows past x ≈ 26: its asymptotic series
-    return -math.log(math.pi) / 2 - math.log(x) - x * x - 0.5 / x**2 + 0.625 / x**4 - 37 / 24 / x**6
-
-
-def _log_a(q: float, z: float, alpha: float) -> float:
-    """log A_α of the Poisson-subsampled Gaussian (Mironov, Talwar, Zhang 2019): an exact binomial
-    sum at integer orders, the two-sided series of their Sec. 3.3 at fractional ones."""
-    if float(alpha).is_integer():
-        total = -math.inf
-        for i in range(int(alpha) + 1):
-            term = _log_comb(alpha, i) + i * math.log(q) + (alpha - i) * math.log1p(-q)
-            total = _log_add(total, term + (i * i - i) / (2 * z * z))
-        return total
-    a0 = a1 = last0 = last1 = -math.inf
-    z0 = z * z * math.log(1 / q - 1) + 0.5
-    for i in range(1000):
-        coef, j = _log_comb(alpha, i), alpha - i
-        s0 = coef + i * math.log(q) + j * math.log1p(-q)
-        s0 += (i * i - i) / (2 * z * z) + math.log(0.5) + _log_erfc((i - z0) / (math.sqrt(2) * z))
-        s1 = coef + j * math.log(q) + i * math.log1p(-q)
-        s1 += (j * j - j) / (2 * z * z) + math.log(0.5) + _log_erfc((z0 - j) / (math.sqrt(2) * z))
-        a0, a1 = _log_add(a0, s0), _log_add(a1, s1)
-        total = _log_add(a0, a1)
-        if s0 < last0 and s1 < last1 and max(s0, s1) < total - 30:
-            return total
-        last0, last1 = s0, s1
-    return math.inf  # not converged: this order drops out
-
-
-@functools.lru_cache(maxsize=64)
-def gaussian_rdp(noise_multiplier: float, sampling_rate: float = 1.0) -> tuple[float, ...]:
-    """RDP at `RDP_ORDERS` of one Gaussian release with noise multiplier z, its contributors
-    Poisson-sampled at rate q (q = 1: no amplification, α/(2z²))."""
-    z, q = noise_multiplier, sampling_rate
-    if q == 0:
-        return tuple(0.0 for _ in RDP_ORDERS)
-    if z == 0:
-        return tuple(math.inf for _ in RDP_ORDERS)
-    if q == 1:
-        return tuple(float(a) / (2 * z * z) for a in RDP_ORDERS)
-    return tuple(_log_a(q, z, float(a)) / (float(a) - 1) for a in RDP_ORDERS)
-
-
-def rdp_epsilon(rdp: Iterable[float], delta: float) -> float:
-    """The smallest epsilon over the orders, by the conversion of Canonne, Kamath and Steinke (2020,
-    Prop. 12; also dp-accounting's): ε = r + log(1 − 1/α) − log(δα)/(α − 1)."""
-    best = math.inf
-    for alpha, r in zip(RDP_ORDERS.tolist(), rdp, strict=True):
-        if r < 0 or delta**2 + math.expm1(-r) > 0:
-            return 0.0
-        if alpha > 1.01 and math.isfinite(r):
-            best = min(best, r + math.log1p(-1 / alpha) - math.log(delta * alpha) / (alpha - 1))
-    return max(0.0, best)
-
-
 class GaussianAccountant:
-    """Privacy spent by the model releases, composed in Rényi DP, user-level (one client's updates
-    replaced by zeros), with the shape of Flower's `PrivacyAccountant` (`compose`,
-    `get_privacy_spent`) and without the optional dp-accounting package, which the tests check it
-    against. Under Poisson client sampling (`poisson`) a release of an event with sample_size n of
-    population_size N is the subsampled Gaussian at rate n/N; fixed-size sampling is counted
-    without amplification, which holds whatever the sample. `releases` lists (z, q) per release.
-    """
+    """Privacy spent by the model releases, user-level (one client's updates added or removed),
+    composed in Rényi DP by Google's dp-accounting (`RdpAccountant`), with the shape of Flower's
+    `PrivacyAccountant` (`compose`, `get_privacy_spent`). Amplification only where its assumption
+    holds: under Poisson client sampling (`poisson`) from a secret source, a release of an event
+    with sample_size n of population_size N is the Poisson-subsampled Gaussian at rate n/N;
+    fixed-size sampling is counted without amplification, which holds whatever the sample.
+    `releases` lists (z, q) per release: what a checkpoint keeps to restore the accountant."""
 
     def __init__(self, delta: float, releases: Iterable[Iterable[float]] = (), *, poisson: bool = False):
         self.delta, self.poisson = delta, poisson
         self.releases: list[list[float]] = [[float(z), float(q)] for z, q in releases]
 
-    def compose(self, event: GaussianPrivacyEvent, count: int = 1) -> None:
+    def release(self, event: GaussianPrivacyEvent) -> list[float]:
+        """The (z, q) this accountant counts `event` as."""
         q = event.sample_size / event.population_size if self.poisson else 1.0
-        self.releases += [[float(event.noise_multiplier), q] for _ in range(count)]
+        return [float(event.noise_multiplier), q]
 
-    def get_privacy_spent(self) -> PrivacySpent:
-        rdp = np.zeros(len(RDP_ORDERS))
-        for (z, q), count in collections.Counter(map(tuple, self.releases)).items():
-            rdp += count * np.array(gaussian_rdp(z, q))
+    def compose(self, event: GaussianPrivacyEvent, count: int = 1) -> None:
+        self.releases += [self.release(event) for _ in range(count)]
+
+    def get_privacy_spent(self, more: Iterable[Iterable[float]] = ()) -> PrivacySpent:
+        """ε at `delta` for the releases so far (and `more`, not yet made: what one more round would
+        bring the total to)."""
+        releases = [*map(tuple, self.releases), *map(tuple, more)]
         return PrivacySpent(
-            epsilon=rdp_epsilon(rdp.tolist(), self.delta) if self.releases else 0.0,
+            epsilon=_epsilon(tuple(collections.Counter(releases).items()), self.delta) if releases else 0.0,
             delta=self.delta,
-            num_releases=len(self.releases),
+            num_releases=len(releases),
             accounting_method="rdp-poisson-gaussian" if self.poisson else "rdp-gaussian",
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _epsilon(counted: tuple[tuple[tuple[float, float], int], ...], delta: float) -> float:
+    from dp_accounting import GaussianDpEvent, PoissonSampledDpEvent
+    from dp_accounting.rdp import RdpAccountant
+
+    accountant = RdpAccountant()
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # a low order that does not converge drops out; it says so per order
+    try:
+        for (z, q), count in counted:
+            gaussian = GaussianDpEvent(z)
+            accountant.compose(gaussian if q == 1.0 else PoissonSampledDpEvent(q, gaussian), count)
+        return float(accountant.get_epsilon(delta))
+    finally:
+        absl.setLevel(level)

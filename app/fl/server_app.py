@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import logging
 import random
+import secrets
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -96,6 +97,24 @@ def _seeded(*parts: int):
         random.setstate(saved)
 
 
+@contextlib.contextmanager
+def _secretly_seeded():
+    """Seed Python's global RNG from the OS's CSPRNG (neither stored nor logged), then restore it:
+    under DP a round's clients are a sample nobody can recompute, as the accountant's amplification
+    by sampling assumes, whereas --seed is logged with the run."""
+    saved = random.getstate()
+    random.seed(secrets.randbits(256))
+    try:
+        yield
+    finally:
+        random.setstate(saved)
+
+
+def round_sampling(cfg: FederateConfig, server_round: int):
+    """The randomness of one round's client sample: (seed, round) without DP, a secret under DP."""
+    return _secretly_seeded() if cfg.dp else _seeded(cfg.seed, server_round)
+
+
 def _postprocess(arrays: ArrayRecord) -> ArrayRecord:
     """fp32 global arrays; BatchNorm variances kept non-negative after DP noise (post-processing)."""
     out = {}
@@ -103,6 +122,22 @@ def _postprocess(arrays: ArrayRecord) -> ArrayRecord:
         value = np.asarray(array.numpy(), dtype=np.float32)
         out[key] = Array(np.maximum(value, 0) if key.endswith("running_var") else value)
     return ArrayRecord(out)
+
+
+def round_event(cfg: FederateConfig) -> GaussianPrivacyEvent:
+    """The DP release of one round, as the accountant composes it: the mean divides by the fixed
+    count whoever replied, so its noise multiplier is z."""
+    return GaussianPrivacyEvent(
+        noise_multiplier=cfg.dp_noise, sample_size=cfg.clients_per_round, population_size=cfg.clients
+    )
+
+
+def over_budget(cfg: FederateConfig, accountant: GaussianAccountant | None) -> float | None:
+    """The epsilon one more round would bring the run to, if that is past --dp-max-epsilon; else None."""
+    if accountant is None or cfg.dp_max_epsilon is None:
+        return None
+    after = accountant.get_privacy_spent(more=[accountant.release(round_event(cfg))]).epsilon
+    return after if after > cfg.dp_max_epsilon else None
 
 
 @dataclass
@@ -125,6 +160,10 @@ class Federation:
     start_round: int = 0
     history: list = dataclasses.field(default_factory=list)
     accountant: GaussianAccountant | None = None
+    init_without_dp: bool = False
+    """Under DP: the starting model was trained without it (`ModelCard.privacy`)."""
+    stopped: str | None = None
+    """Why the rounds ended before `cfg.rounds`, if they did (the privacy budget)."""
 
     def client_config(self, server_round: int) -> ConfigRecord:
         cfg = self.cfg
@@ -191,8 +230,15 @@ def build_server_app(
             disable=not sys.stderr.isatty(),  # elsewhere (a pipe, a log file) a line per round instead
         )
         for server_round in progress:
+            if (epsilon := over_budget(cfg, fed.accountant)) is not None:
+                fed.stopped = (
+                    f"privacy budget: round {server_round} would bring epsilon to {epsilon:.3f}, "
+                    f"past --dp-max-epsilon {cfg.dp_max_epsilon:g}"
+                )
+                log.warning("stopping after round %d of %d: %s", server_round - 1, cfg.rounds, fed.stopped)
+                break
             started = time.perf_counter()
-            with _seeded(cfg.seed, server_round):  # the same clients as an unbroken run
+            with round_sampling(cfg, server_round):
                 # a fresh ConfigRecord per call: strategies add their keys to the one they are given
                 messages = strategy.configure_train(
                     server_round, arrays, fed.client_config(server_round), grid
@@ -235,14 +281,7 @@ def build_server_app(
             if guard.evaluate_rejected:
                 row["evaluations_rejected"] = guard.evaluate_rejected
             if fed.accountant is not None and not guard.abandoned:
-                # The mean divides by the fixed count, whoever replied: the noise multiplier is z.
-                fed.accountant.compose(
-                    GaussianPrivacyEvent(
-                        noise_multiplier=cfg.dp_noise,
-                        sample_size=cfg.clients_per_round,
-                        population_size=cfg.clients,
-                    )
-                )
+                fed.accountant.compose(round_event(cfg))
             if fed.accountant is not None:
                 row["epsilon"] = fed.accountant.get_privacy_spent().epsilon
             fed.end_round(server_round, arrays, row)

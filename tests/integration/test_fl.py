@@ -15,13 +15,11 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.serverapp import GaussianPrivacyEvent
 
 from app import model as core
 from app.errors import ConfigError
 from app.fl import FederateConfig, federate
 from app.fl.grid import RayGrid, stamp_task_identity
-from app.fl.privacy import GaussianAccountant
 
 stamp_task_identity()  # as a running ServerApp has
 
@@ -100,7 +98,7 @@ def test_rounds_learn_on_non_iid_users_register_and_resume(trained, ray_cluster)
 
 
 @pytest.mark.timeout(600)
-def test_nan_update_and_killed_client_leave_the_round_to_the_rest_with_dp(trained):
+def test_nan_update_and_killed_client_leave_the_round_to_the_rest_with_dp(trained, caplog):
     from app import registry
 
     settings, _, _, _, _ = trained
@@ -127,10 +125,22 @@ def test_nan_update_and_killed_client_leave_the_round_to_the_rest_with_dp(traine
     assert row["abandoned"] == 0
     assert report.init_version == registry.resolve(settings.tracking_uri, settings.model_name, "champion")
     assert row["rejected_non_finite"] == 1
-    # The mean divided by the 4 sampled, not the 2 aggregated: the release's multiplier stays 0.5.
-    accountant = GaussianAccountant(1e-5)
-    accountant.compose(GaussianPrivacyEvent(noise_multiplier=0.5, sample_size=4, population_size=4))
-    assert report.epsilon == pytest.approx(accountant.get_privacy_spent().epsilon)
+    # The mean divided by the 4 sampled, not the 2 aggregated: the release's multiplier stays 0.5,
+    # and epsilon is dp-accounting's for one unamplified Gaussian release at z = 0.5.
+    from dp_accounting import GaussianDpEvent
+    from dp_accounting.rdp import RdpAccountant
+
+    assert report.epsilon == pytest.approx(RdpAccountant().compose(GaussianDpEvent(0.5)).get_epsilon(1e-5))
+    # The card says what the privacy promise is, and that it started from the champion, which
+    # was trained without DP on these users' images (the run warned so).
+    privacy = registry.load(settings.tracking_uri, settings.model_name, report.version).card.privacy
+    assert privacy == {
+        "epsilon": report.epsilon, "delta": 1e-5, "noise_multiplier": 0.5, "clip": 5.0, "rounds": 1,
+        "releases": 1, "client_sampling": "fixed", "sampling_rate": 1.0, "sampling_secret": True,
+        "accountant": "dp-accounting RdpAccountant, rdp-gaussian", "max_epsilon": None, "stopped": None,
+        "init_version": report.init_version, "init_without_dp": True,
+    }  # fmt: skip
+    assert "was trained without differential privacy" in caplog.text
     # Under DP the clients' own losses and accuracies stay with them: no client evaluation either.
     assert not {"train_loss", "train_accuracy", "val_loss", "val_accuracy"} & row.keys()
     assert not _schemas(report, "evaluate")
@@ -196,6 +206,11 @@ def test_init_from_a_model_that_does_not_fit_is_a_clear_error(trained):
         )
     with pytest.raises(ConfigError, match="users"):
         federate(settings, FederateConfig(rounds=1, clients=5000, clients_per_round=2))
+    budget = FederateConfig(
+        rounds=3, clients=2, clients_per_round=2, dp_clip=1.0, dp_noise=0.5, dp_max_epsilon=1
+    )
+    with pytest.raises(ConfigError, match="--dp-max-epsilon 1: one round alone spends epsilon"):
+        federate(settings, budget)
 
 
 # ---------------------------------------------------------------- the Grid over Ray actors

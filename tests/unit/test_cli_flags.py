@@ -39,7 +39,7 @@ SPECIAL = {
     "table": ("lake.images", "lake.images"),
 }
 # Flags only valid together with another, or instead of the baseline.
-TOGETHER = {"dp_noise": ["--dp-clip", "1.0"]}
+TOGETHER = {"dp_noise": ["--dp-clip", "1.0"], "dp_max_epsilon": ["--dp-clip", "1.0", "--dp-noise", "1.0"]}
 INSTEAD_OF_BASELINE = {"from_dir"}  # produce takes exactly one of --synthetic and --from-dir
 
 
