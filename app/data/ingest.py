@@ -125,7 +125,7 @@ def _ingest_holding(
     started: float,
 ) -> IngestReport:
     topic = settings.topic
-    manifests = snapshots.manifests(quarantine=True)
+    manifests = snapshots.manifests()
     snapshots.remove_uncommitted()  # their writers' leases expired: they are gone
     pending = pending_ranges(snapshots, connection, topic, manifests)
     if not pending.ranges:

@@ -69,7 +69,7 @@ def migrate(snapshots: SnapshotStore, storage: str, catalog: str | None, table: 
 def _migrate(
     snapshots: SnapshotStore, storage: str, catalog: str | None, table: str, topic: str
 ) -> Migration:
-    manifests = snapshots.manifests(strict=True)
+    manifests = snapshots.manifests()
     live = [m for m in live_manifests(manifests) if m.topic == topic and m.offsets]
     normalised = [m.snapshot_id for m in live if m.pixels != PIXELS]
     if normalised:

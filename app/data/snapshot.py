@@ -2,7 +2,6 @@
 
     <storage>/snapshots/<snapshot_id>/event_date=YYYY-MM-DD/*.parquet + _manifest.json
     <storage>/offsets/<group>.json
-    <storage>/quarantine/<snapshot_id>-<nonce>_manifest.json
 
 A snapshot is the Parquet its manifest lists (`app.data.manifest`). Data files go straight to their
 final names; the manifest, with every file's size and SHA-256, is written last as one object that
@@ -11,21 +10,22 @@ alike, with no directory rename. A folder without a manifest is invisible and is
 next writer that holds the ingest lease. The manifests together are the offset ledger, so the next
 ingest starts where the committed snapshots end. Train, federate and drift meet ingest here and
 nowhere else: they read manifests and, checked against them (`app.data.integrity`), the files the
-manifests list.
+manifests list. A manifest this Argus cannot read (a newer Argus's, or damaged) stops every command
+that lists the manifests (`UnreadableManifest`): skipped, its offsets would fall out of the ledger.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow.fs as pafs
 
-from app.data.integrity import CorruptSnapshot, verify_file
+from app.data.integrity import verify_file
 from app.data.manifest import PIXELS, Manifest, live_manifests
+from app.errors import ConfigError
 from app.storage import Store
 
 log = logging.getLogger(__name__)
@@ -33,9 +33,15 @@ log = logging.getLogger(__name__)
 MANIFEST = "_manifest.json"
 
 
+class UnreadableManifest(ConfigError):
+    """A committed snapshot's manifest that this Argus cannot read: written by a newer Argus (a
+    rolling upgrade), or damaged. Nothing is changed: skipping it would leave its offsets out of the
+    ledger, and the next ingest would start past them for good."""
+
+
 class SnapshotStore:
-    """The snapshots (and the ledger's mirror files and quarantined manifests) under one storage
-    root; created once per command and handed to whatever reads or writes them."""
+    """The snapshots (and the ledger's mirror files) under one storage root; created once per
+    command and handed to whatever reads or writes them."""
 
     def __init__(self, store: Store):
         self.store = store
@@ -60,14 +66,9 @@ class SnapshotStore:
         """Publish the snapshot: write its manifest only if none exists. False if one already did."""
         return self.snapshots.write_new(f"{manifest.snapshot_id}/{MANIFEST}", manifest.to_json().encode())
 
-    def manifests(self, *, quarantine: bool = False, strict: bool = False) -> list[Manifest]:
-        """Committed snapshots' manifests, oldest first (ids sort by creation time).
-
-        A manifest that does not parse is skipped with a warning; with `quarantine` (only the lease
-        holder mutates storage) it is moved to `<storage>/quarantine/`, which leaves its folder
-        uncommitted: the next cleanup removes the folder and its offsets are ingested again. With
-        `strict`, it is a CorruptSnapshot error instead, and nothing is moved.
-        """
+    def manifests(self) -> list[Manifest]:
+        """Committed snapshots' manifests, oldest first (ids sort by creation time); UnreadableManifest
+        (exit 2) at the first one that does not parse, and nothing is moved or deleted."""
         manifests = []
         for info in sorted(self.snapshots.list(), key=lambda i: i.base_name):
             if info.type != pafs.FileType.Directory or info.base_name.startswith("."):
@@ -79,25 +80,13 @@ class SnapshotStore:
             try:
                 manifests.append(Manifest.from_json(raw))
             except (ValueError, KeyError, TypeError) as exc:
-                if strict:
-                    raise CorruptSnapshot(
-                        f"snapshot {info.base_name}: manifest does not parse ({type(exc).__name__}: {exc})"
-                    ) from exc
-                action = "moved to quarantine/" if quarantine else "skipped"
-                log.warning(
-                    "snapshot %s: corrupt manifest (%s: %s); %s",
-                    info.base_name,
-                    type(exc).__name__,
-                    exc,
-                    action,
-                )
-                if quarantine:
-                    self._quarantine(info.base_name, raw)
+                where = self.folder(info.base_name).uri(MANIFEST)
+                raise UnreadableManifest(
+                    f"snapshot {info.base_name}: its manifest is not one this Argus reads "
+                    f"({type(exc).__name__}: {exc}): written by a newer Argus, or damaged. Nothing was "
+                    f"changed; run the Argus that wrote it, or restore {where}"
+                ) from None
         return manifests
-
-    def _quarantine(self, snapshot_id: str, raw: bytes) -> None:
-        self.store.write(f"quarantine/{snapshot_id}-{uuid.uuid4().hex[:6]}{MANIFEST}", raw)
-        self.snapshots.delete(f"{snapshot_id}/{MANIFEST}")
 
     def remove_uncommitted(self, spare: Callable[[str], bool] = lambda snapshot_id: False) -> list[str]:
         """Delete snapshot folders without a manifest, but those `spare` names (writers still at

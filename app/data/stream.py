@@ -13,7 +13,6 @@ the revoked partitions (their new owner reads them again) and only then releases
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from pathlib import Path
@@ -57,8 +56,7 @@ class Stream:
         self.closing = False
 
     def _start(self) -> None:
-        with contextlib.suppress(FileNotFoundError):  # another watch quarantined it first
-            self.snapshots.manifests(quarantine=True)
+        self.snapshots.manifests()  # refuses to start over a manifest it cannot read
         remove_abandoned(self.snapshots, self.hold)  # folders of writers that died before committing
         self.pipeline.start()
         # One consumer for the watch's life. fetch.wait.max.ms bounds how long a record waits at the

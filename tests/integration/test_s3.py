@@ -14,7 +14,7 @@ from app.config import IngestConfig, ProduceConfig, ServeConfig, TrainConfig
 from app.data import synth
 from app.data.ingest import ingest
 from app.data.produce import produce
-from app.data.snapshot import MANIFEST, SnapshotStore, read_rows
+from app.data.snapshot import MANIFEST, SnapshotStore, UnreadableManifest, read_rows
 from app.net import free_port
 from app.storage import Store, s3_client
 
@@ -111,20 +111,24 @@ def test_ingest_killed_at_each_commit_step_reruns_exactly_on_s3(s3, s3_bucket, r
     assert snapshots == {m.snapshot_id for m in manifests(s3)}  # the uncommitted folder is gone
 
 
-def test_a_corrupt_manifest_on_s3_is_quarantined_and_its_records_ingested_again(
-    s3, s3_bucket, ray_cluster, caplog
-):
+def test_a_manifest_on_s3_that_this_argus_cannot_read_stops_ingest_and_is_kept(s3, s3_bucket, ray_cluster):
     kafka = s3.kafka_connection()
     produce(s3, ProduceConfig(synthetic=12, seed=2, source_image_size=32, corrupt_fraction=0.0), kafka)
     first = ingest(s3, IngestConfig(), kafka)
+    produce(s3, ProduceConfig(synthetic=6, seed=3, source_image_size=32, corrupt_fraction=0.0), kafka)
     key = f"argus/snapshots/{first.snapshot_id}/{MANIFEST}"
-    s3_client().put_object(Bucket=s3_bucket, Key=key, Body=b'{"snapshot_id": "torn')
-    second = ingest(s3, IngestConfig(), kafka)
-    assert "corrupt manifest" in caplog.text
-    assert second.snapshot_id and second.records == 12
-    assert [m.snapshot_id for m in manifests(s3)] == [second.snapshot_id]
-    assert keys(s3_bucket, "argus/quarantine/")
+    good = s3_client().get_object(Bucket=s3_bucket, Key=key)["Body"].read()
+    newer = {**json.loads(good), "format": "argus.snapshot.v2"}  # as a newer Argus would write it
+    s3_client().put_object(Bucket=s3_bucket, Key=key, Body=json.dumps(newer).encode())
+    before = keys(s3_bucket, "argus/snapshots/")
+    with pytest.raises(UnreadableManifest, match=f"snapshot {first.snapshot_id}: its manifest is not one"):
+        ingest(s3, IngestConfig(), kafka)
+    assert keys(s3_bucket, "argus/snapshots/") == before  # nothing deleted, moved or written
+    # Restored (the Argus that wrote it is back): the next ingest takes exactly the 6 new records.
+    s3_client().put_object(Bucket=s3_bucket, Key=key, Body=good)
+    assert ingest(s3, IngestConfig(), kafka).records == 6
     assert sorted(snapshot_coordinates(s3)) == sorted(set(snapshot_coordinates(s3)))
+    assert len(snapshot_coordinates(s3)) == 18
 
 
 def test_the_lease_is_exclusive_on_s3_and_taken_over_only_after_it_expires(s3_bucket):

@@ -167,7 +167,7 @@ def test_a_manifest_that_does_not_parse_is_refused_and_kept(snapshots, root, cap
     code = main(["migrate", "--storage", str(root), "--topic", "t"])
     assert code == 2
     error = capsys.readouterr().err
-    assert "snap-2: manifest does not parse" in error and "checksum_v2" in error, error
+    assert "snap-2: its manifest is not one this Argus reads" in error and "checksum_v2" in error, error
     assert path.exists() and json.loads(path.read_text()) == manifest  # nothing moved or deleted
     assert not (root / "catalog.db").exists()  # refused before the table was even created
 

@@ -20,7 +20,8 @@ from app.data.manifest import (
     discover_classes,
     ledger_offsets,
 )
-from app.data.snapshot import MANIFEST, SnapshotStore, read_rows
+from app.data.snapshot import MANIFEST, SnapshotStore, UnreadableManifest, read_rows
+from app.errors import ConfigError
 
 SPEC = WriteSpec(topic="t", dlq_topic="t.dlq", image_size=32, classes=None, allowed_lateness_s=60.0)
 
@@ -193,19 +194,28 @@ def test_folders_without_a_manifest_are_invisible_until_removed(snapshots, root)
     assert sorted(p.name for p in (root / "snapshots").iterdir()) == ["snap-1"]
 
 
-def test_a_corrupt_manifest_is_skipped_then_quarantined_and_its_offsets_come_back(snapshots, root, caplog):
-    commit(snapshots, "snap-1", {0: (0, 2)}, task_stats(0, range(0, 2)))
-    commit(snapshots, "snap-2", {0: (2, 4)}, task_stats(0, range(2, 4)))
+@pytest.mark.parametrize("damage", ["newer_field", "newer_format", "torn"])
+def test_a_manifest_this_argus_cannot_read_stops_everything_and_nothing_is_deleted(snapshots, root, damage):
+    """#25's reproduction: three snapshots [0,2), [2,4), [4,6) and the middle one unreadable. Were it
+    skipped (or quarantined, as before), the ledger would resume at 6 and offsets 2-3 never come back."""
+    for i in range(3):
+        commit(snapshots, f"snap-{i + 1}", {0: (2 * i, 2 * i + 2)}, task_stats(0, range(2 * i, 2 * i + 2)))
     path = root / "snapshots" / "snap-2" / MANIFEST
-    path.write_text(path.read_text()[:40])  # torn
-    assert [m.snapshot_id for m in snapshots.manifests()] == ["snap-1"]
-    assert "snap-2: corrupt manifest" in caplog.text and path.exists()
-    snapshots.manifests(quarantine=True)
-    assert not path.exists()
-    quarantined = list((root / "quarantine").iterdir())
-    assert len(quarantined) == 1 and quarantined[0].name.startswith("snap-2-")
-    assert ledger_offsets(snapshots.manifests(), "t")[0] == {0: 2}  # offsets 2..3 are ingested again
-    assert snapshots.remove_uncommitted() == ["snap-2"]
+    data = json.loads(path.read_text())
+    if damage == "newer_field":  # one extra field in its partition entry, as a newer Argus may write
+        data["offsets"]["0"]["checksum_v2"] = "abc"
+        path.write_text(json.dumps(data))
+    elif damage == "newer_format":
+        data["format"] = "argus-snapshot/99"
+        path.write_text(json.dumps(data))
+    else:
+        path.write_text(path.read_text()[:40])
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    with pytest.raises(UnreadableManifest, match="snapshot snap-2: its manifest is not one this Argus reads"):
+        snapshots.manifests()
+    assert isinstance(UnreadableManifest("x"), ConfigError)  # the CLI's one line and exit 2
+    assert snapshots.remove_uncommitted() == []  # its folder is still a committed snapshot's
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
 
 
 def test_readers_check_every_listed_file_against_its_manifest(snapshots, root):
