@@ -140,7 +140,11 @@ def add_federate(parser) -> None:
     )
     parser.add_argument("--local-epochs", type=int, help="client epochs per round (default 1)")
     parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--lr", type=float, help="client SGD learning rate (default 0.05)")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        help="client SGD learning rate (default 0.05; 0.002 when fine-tuning with --init-from)",
+    )
     parser.add_argument(
         "--strategy", help="fedavg, fedprox, fedmedian, fedtrimmedavg or krum (default fedavg)"
     )

@@ -306,8 +306,93 @@ def argus_fedavg(seed: int, **overrides) -> float:
     """`federate` with its defaults at the same budget: the registered version's test-slice accuracy."""
     from app.fl import FederateConfig, federate
 
-    cfg = FederateConfig(**QUALITY, seed=seed, run_name=f"bench-quality-{time.time_ns()}", **overrides)
+    cfg = FederateConfig(**{**QUALITY, **overrides}, seed=seed, run_name=f"bench-quality-{time.time_ns()}")
     return federate(digits_settings(), cfg).metrics["test_accuracy"]
+
+
+def central_champion(seed: int) -> tuple[str, float]:
+    """A centrally trained starting model, as `train` would register one: the cnn trained in this
+    process on every client's training rows (AdamW 1e-3, 10 epochs, batch 64), registered and
+    aliased `central-<seed>`. (alias, its test-slice accuracy)."""
+    import pyarrow.compute as pc
+    import torch
+    from torch import nn
+
+    from app import model as core
+    from app import registry
+    from app.data.snapshot import SnapshotStore
+    from app.fl import central_test
+    from app.fl.task import labelled_rows
+    from app.transform import normalize_pixels
+
+    settings = digits_settings()
+    snapshots = SnapshotStore.at(settings.uri())
+    classes = list(snapshots.read_manifest(DIGITS_SNAPSHOT).classes)
+    uris = [snapshots.uri(DIGITS_SNAPSHOT)]
+    torch.manual_seed(seed)
+    model = core.build_model("cnn", len(classes))
+    split, central = central_test(uris, classes, 0.2, model, torch.device("cpu"))
+    x, y, _ = labelled_rows(uris, classes, pc.field("event_time") < split.val_from)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    for _ in range(10):
+        for index in torch.randperm(len(y)).split(64):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(normalize_pixels(x[index])), y[index]).backward()
+            optimizer.step()
+    model.eval()
+    card = registry.ModelCard(
+        arch="cnn", classes=classes, image_size=SIZE, features=False, training_kind="ddp",
+        snapshots=[], metrics={}, split=split.to_dict(),
+    )  # fmt: skip
+    with registry.start_run(
+        settings.tracking_uri, registry.artifact_root(settings), f"central-{seed}"
+    ) as run:
+        version = registry.register(settings.tracking_uri, settings.model_name, run.info.run_id, model, card)
+    alias = f"central-{seed}"
+    registry.promote(settings.tracking_uri, settings.model_name, version, alias=alias)
+    return alias, central.evaluate(model)["accuracy"]
+
+
+def fine_tune_part(seeds: int, recipes: list[str]) -> list[str]:
+    """`federate --init-from` a central model with each recipe: the test-slice accuracy it leaves
+    against the one it started from (#27: after ≥ before − 0.005)."""
+    import statistics
+
+    make_digits_snapshot()
+    recipes = ["", *recipes]  # "": federate's defaults
+    changes: dict[str, list[float]] = {r: [] for r in recipes}
+    with common.local_ray(num_cpus=2):
+        for seed in range(seeds):
+            alias, before = central_champion(seed)
+            for recipe in recipes:
+                # federate's own learning rate unless the recipe sets one (QUALITY's is the fresh one)
+                after = argus_fedavg(seed, init_from=alias, **{"lr": None, **_variant(recipe)})
+                changes[recipe].append(after - before)
+                print(
+                    f"  seed {seed}: central {before:.3f} → fine-tuned ({recipe or 'defaults'}) {after:.3f}",
+                    flush=True,
+                )
+    rows = [
+        [
+            recipe or "defaults",
+            *(f"{c:+.3f}" for c in changes[recipe]),
+            f"{statistics.median(changes[recipe]):+.3f}",
+        ]
+        for recipe in recipes
+    ]
+    print_table(
+        "fine-tuning a central model: test-slice accuracy after − before, same budget as above",
+        ["recipe", *(f"seed {s}" for s in range(seeds)), "median"],
+        rows,
+    )
+    best = max(recipes, key=lambda r: statistics.median(changes[r]))
+    return [
+        f"goal: fine-tuning ({recipe or 'defaults'}) keeps test-slice accuracy within 0.005 (median): "
+        f"measured {statistics.median(changes[recipe]):+.3f} "
+        f"({'PASS' if statistics.median(changes[recipe]) >= -0.005 else 'MISS'})"
+        for recipe in dict.fromkeys(["", best])
+    ]
 
 
 def _variant(text: str) -> dict:
@@ -427,6 +512,13 @@ def main() -> int:
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--skip-fine-tune", action="store_true")
+    parser.add_argument(
+        "--recipe",
+        action="append",
+        default=[],
+        help="a fine-tuning run with these FederateConfig overrides besides the defaults, e.g. lr=0.005",
+    )
     parser.add_argument("--seeds", type=int, default=10, help="seeds of the quality runs (medians)")
     parser.add_argument(
         "--variant",
@@ -465,6 +557,8 @@ def main() -> int:
         )
     if not args.skip_quality:
         goals += quality_part(args.seeds, args.variant)
+    if not args.skip_fine_tune:
+        goals += fine_tune_part(args.seeds, args.recipe)
     print()
     for line in goals:
         print(line)

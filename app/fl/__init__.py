@@ -161,6 +161,9 @@ def federate(
         releases = meta.get("privacy_releases", [[z, 1.0] for z in meta.get("noise_multipliers", [])])
         init_version = meta.get("init_version")
         log.info("resuming federated run %s after round %d", run_name, start_round)
+    # Fine-tuning takes small steps: at FRESH_LR non-IID clients undo what the model knew. Resolved
+    # here so that MLflow's params show the rate the clients used.
+    cfg = dataclasses.replace(cfg, lr=cfg.client_lr(fine_tuning=init_version is not None))
     init_without_dp = cfg.dp and _trained_without_dp(settings, init_version)
     if init_without_dp:
         log.warning(

@@ -176,7 +176,7 @@ class Federation:
             "test-from": self.test_from,
             "local-epochs": cfg.local_epochs,
             "batch-size": cfg.batch_size,
-            "lr": cfg.lr,
+            "lr": cfg.client_lr(fine_tuning=self.init_version is not None),
             "update-dtype": cfg.update_dtype,
             "augment": cfg.augment,
         }

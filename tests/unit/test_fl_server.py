@@ -173,3 +173,11 @@ def test_bad_configuration_is_a_config_error_naming_the_flag(bad, names):
     FederateConfig()  # the defaults are valid: each error below is the bad value's own
     with pytest.raises(ConfigError, match=re.escape(names)):
         FederateConfig(**bad)
+
+
+def test_clients_fine_tune_a_registered_model_with_small_steps_unless_told():
+    from app.fl.config import FINE_TUNE_LR, FRESH_LR
+
+    assert FederateConfig().client_lr(fine_tuning=False) == FRESH_LR == 0.05
+    assert FederateConfig().client_lr(fine_tuning=True) == FINE_TUNE_LR < FRESH_LR / 10
+    assert FederateConfig(lr=0.1).client_lr(fine_tuning=True) == 0.1
