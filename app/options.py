@@ -162,7 +162,11 @@ def add_federate(parser) -> None:
     parser.add_argument("--update-dtype", help="fp16 (default) or fp32 updates on the wire")
     parser.add_argument("--min-clients", type=int, help="fewest valid updates that make a round")
     parser.add_argument("--round-timeout-s", type=float, help="drop clients slower than this (default 600)")
-    parser.add_argument("--init-from", help="start from the model behind this alias, e.g. champion")
+    parser.add_argument(
+        "--init-from",
+        help="fine-tune the model behind this alias; default auto: the champion when one exists and "
+        "fits, else a fresh model; none: a fresh model",
+    )
     parser.add_argument("--snapshots", type=_csv, help="comma-separated snapshot ids (default: all)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--run-name", help="rerunning with the same name resumes after its last round")

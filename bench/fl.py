@@ -190,6 +190,7 @@ def memory_child(clients: int) -> None:
             evaluate_clients=10,
             local_epochs=1,
             augment="none",
+            init_from=None,
             run_name=f"bench-memory-{clients}-{time.time_ns()}",
         )
         report = federate(settings(), cfg)
@@ -306,7 +307,9 @@ def argus_fedavg(seed: int, **overrides) -> float:
     """`federate` with its defaults at the same budget: the registered version's test-slice accuracy."""
     from app.fl import FederateConfig, federate
 
-    cfg = FederateConfig(**{**QUALITY, **overrides}, seed=seed, run_name=f"bench-quality-{time.time_ns()}")
+    cfg = FederateConfig(
+        **{**QUALITY, "init_from": None, **overrides}, seed=seed, run_name=f"bench-quality-{time.time_ns()}"
+    )
     return federate(digits_settings(), cfg).metrics["test_accuracy"]
 
 
@@ -455,6 +458,7 @@ def timing_part(args) -> list[str]:
         local_epochs=1,
         batch_size=32,
         augment="none",
+        init_from=None,
         num_cpus_per_client=1.0,
         seed=1,
     )

@@ -33,7 +33,7 @@ from app.data.manifest import Manifest, discover_classes
 from app.data.snapshot import SnapshotStore, read_rows
 from app.errors import ConfigError
 from app.fl.checkpoint import load_checkpoint
-from app.fl.config import FederateConfig, FederateReport
+from app.fl.config import AUTO_INIT, FederateConfig, FederateReport
 from app.fl.evaluation import CentralEvaluation
 from app.fl.grid import RayGrid, pool_size, stamp_task_identity
 from app.fl.privacy import GaussianAccountant
@@ -49,14 +49,23 @@ log = logging.getLogger(__name__)
 def _initial_model(
     settings: Settings, cfg: FederateConfig, classes: list[str]
 ) -> tuple[nn.Module, str | None]:
-    torch.manual_seed(cfg.seed)
+    """The model the rounds start from, and its registered version (None: a fresh model). An alias
+    the run names must exist and fit; `auto` takes the champion only where it does."""
+
+    def fresh() -> nn.Module:
+        torch.manual_seed(cfg.seed)
+        return core.build_model(settings.model, len(classes))
+
     if cfg.init_from is None:
-        return core.build_model(settings.model, len(classes)), None
-    version = registry.resolve(settings.tracking_uri, settings.model_name, cfg.init_from)
+        return fresh(), None
+    auto = cfg.init_from == AUTO_INIT
+    alias = "champion" if auto else cfg.init_from
+    version = registry.resolve(settings.tracking_uri, settings.model_name, alias)
     if version is None:
-        raise ConfigError(
-            f"--init-from {cfg.init_from}: {settings.model_name}@{cfg.init_from} points at no version"
-        )
+        if auto:
+            log.info("no %s@%s yet: the rounds start from a fresh model", settings.model_name, alias)
+            return fresh(), None
+        raise ConfigError(f"--init-from {alias}: {settings.model_name}@{alias} points at no version")
     loaded = registry.load(settings.tracking_uri, settings.model_name, version)
     card = loaded.card
     wanted = {
@@ -73,10 +82,12 @@ def _initial_model(
     }
     differ = [f"{k} {have[k]!r} (this run: {wanted[k]!r})" for k in wanted if have[k] != wanted[k]]
     if differ:
-        raise ConfigError(
-            f"--init-from {cfg.init_from}: {settings.model_name} v{version} "
-            "does not fit this run: " + "; ".join(differ)
-        )
+        message = f"{settings.model_name} v{version} does not fit this run: " + "; ".join(differ)
+        if auto:
+            log.warning("%s@%s: %s; the rounds start from a fresh model", settings.model_name, alias, message)
+            return fresh(), None
+        raise ConfigError(f"--init-from {alias}: {message}")
+    log.info("fine-tuning %s v%s (%s@%s)", settings.model_name, version, settings.model_name, alias)
     return loaded.model.train(), version
 
 

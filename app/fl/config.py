@@ -16,6 +16,7 @@ STRATEGIES = ("fedavg", "fedprox", "fedmedian", "fedtrimmedavg", "krum")
 MEAN_STRATEGIES = ("fedavg", "fedprox")
 FAULTS = ("nan", "scale", "crash", "slow")
 CLIENT_SAMPLING = ("fixed", "poisson")
+AUTO_INIT = "auto"
 FRESH_LR = 0.05
 FINE_TUNE_LR = 0.002
 """Client learning rate from a registered model: bench/fl.py's fine-tuning of a central model on
@@ -67,8 +68,10 @@ class FederateConfig:
     """A client that has not answered this long after a round's start is dropped."""
     outlier_factor: float = 10.0
     """Reject updates whose norm exceeds this multiple of the round's median norm."""
-    init_from: str | None = None
-    """Registry alias (e.g. `champion`) whose model the run starts from; None starts fresh."""
+    init_from: str | None = AUTO_INIT
+    """Registry alias whose model the run starts from and fine-tunes (at FINE_TUNE_LR unless `lr`
+    is given). `auto`: the champion when one exists and fits this run, else a fresh model; None
+    (`--init-from none`): a fresh model."""
     seed: int = 0
     snapshots: tuple[str, ...] | None = None
     """Snapshot ids; None means all of the topic's."""
@@ -144,9 +147,11 @@ class FederateConfig:
         )
         require(self.round_timeout_s > 0, "--round-timeout-s must be > 0")
         require(self.outlier_factor > 1, "--outlier-factor must be > 1")
+        if self.init_from is not None and self.init_from.strip().lower() == "none":
+            self.init_from = None
         require(
             self.init_from is None or bool(self.init_from.strip()),
-            "--init-from needs an alias, e.g. champion",
+            "--init-from needs an alias (e.g. champion), auto or none",
         )
         require(0 < self.val_fraction < 1, "--val-fraction must be in (0, 1)")
         require(

@@ -33,6 +33,8 @@ def _schemas(report, message_type):
 def test_rounds_learn_on_non_iid_users_register_and_resume(trained, ray_cluster):
     import mlflow
 
+    from app import registry
+
     from conftest import MetricsWatcher
 
     settings, snapshot, _, _, _ = trained
@@ -53,6 +55,8 @@ def test_rounds_learn_on_non_iid_users_register_and_resume(trained, ray_cluster)
 
     assert [row["round"] for row in report.history] == [1, 2]
     assert all(row["updates_accepted"] == 4 and row["clients_failed"] == 0 for row in report.history)
+    # No --init-from: it fine-tuned the session's champion (the fixture trained and registered it).
+    assert report.init_version == registry.resolve(settings.tracking_uri, settings.model_name, "champion")
 
     # What crossed from the client actors: the model's float arrays as fp16 deltas and three
     # numbers per train reply; three numbers per evaluate reply. No pixels, no other arrays.
@@ -168,6 +172,7 @@ def test_promote_if_better_keeps_a_better_champion_and_promotes_a_better_model(t
 
     # Worse: one round from scratch at a learning rate that barely moves the weights.
     base = FederateConfig(
+        init_from=None,
         rounds=1,
         clients=4,
         clients_per_round=4,
@@ -197,8 +202,20 @@ def test_promote_if_better_keeps_a_better_champion_and_promotes_a_better_model(t
     assert registry.resolve(uri, settings.model_name, "champion") == better.version
 
 
-def test_init_from_a_model_that_does_not_fit_is_a_clear_error(trained):
+def test_init_from_a_model_that_does_not_fit_is_a_clear_error(trained, caplog):
+    from app import registry
+    from app.fl import _initial_model
+
     settings, _, _, _, _ = trained
+    classes = registry.load(settings.tracking_uri, settings.model_name, "1").card.classes
+    champion = registry.resolve(settings.tracking_uri, settings.model_name, "champion")
+    # By default (auto) the champion is fine-tuned where it fits, and a fresh model starts where not.
+    assert _initial_model(settings, FederateConfig(), classes)[1] == champion
+    assert (
+        _initial_model(dataclasses.replace(settings, model="resnet18"), FederateConfig(), classes)[1] is None
+    )
+    assert "does not fit this run" in caplog.text and "start from a fresh model" in caplog.text
+    assert _initial_model(settings, FederateConfig(init_from="none"), classes)[1] is None
     with pytest.raises(ConfigError, match="arch 'cnn'"):
         federate(
             dataclasses.replace(settings, model="resnet18"),

@@ -350,7 +350,11 @@ def test_federated_rounds_lose_a_node_and_carry_on_with_the_clients_left(cluster
     assert all(row["updates_accepted"] >= 2 and not row["abandoned"] for row in history)
     last = history[-1]
     assert last["updates_accepted"] == 4 and last["clients_failed"] == last["clients_timed_out"] == 0
-    assert "no room for a replacement client actor" in logs, logs[-3000:]
+    # Lost actors were not waited for: either no replacement fitted, or one placed before the GCS
+    # declared the node dead landed there and was found dead before the next round (seen on CI).
+    assert "no room for a replacement client actor" in logs or "idle client actor(s) found dead" in logs, (
+        logs[-3000:]
+    )
 
 
 @pytest.mark.slow
