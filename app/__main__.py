@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import importlib
 import logging
 import os
@@ -27,11 +28,24 @@ from app.errors import ConfigError
 log = logging.getLogger("argus")
 
 
-def _stop_event() -> threading.Event:
-    """Set by SIGINT or SIGTERM: foreground commands end cleanly instead of dying mid-write."""
+# How long `serve` may take to stop after Ctrl-C or SIGTERM (Serve's own graceful shutdown waits
+# up to 30 s) before it prints every thread's stack and exits 1.
+SERVE_STOP_GRACE_S = 120.0
+
+
+def _stop_event(grace_s: float | None = None) -> threading.Event:
+    """Set by SIGINT or SIGTERM: foreground commands end cleanly instead of dying mid-write. With
+    `grace_s`, a stop that hangs (in Ray's or Serve's shutdown) still ends the process that long
+    after the signal, with every thread's stack on stderr to say where it hung, and exit 1."""
     stop = threading.Event()
+
+    def request_stop(_signum, _frame) -> None:
+        if grace_s is not None and not stop.is_set():
+            faulthandler.dump_traceback_later(grace_s, exit=True)
+        stop.set()
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda _s, _f: stop.set())
+        signal.signal(signum, request_stop)
     return stop
 
 
@@ -151,7 +165,7 @@ def _serve(settings: Settings, args, cfg, policy) -> int:
         return 0
     with ray_session(settings):
         # Handlers set after ray.init: Ray's own SIGTERM handler would abort the process (exit -6).
-        serve.serve_until(settings, cfg, _stop_event(), policy)
+        serve.serve_until(settings, cfg, _stop_event(SERVE_STOP_GRACE_S), policy)
     return 0
 
 

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,9 @@ def ray_session(settings, *, num_cpus: int | None = None, dashboard: bool = Fals
             logs.enter_context(_ray_logs_in_files(settings))
         yield f"http://{context.dashboard_url}" if context.dashboard_url else None
     finally:
+        began = time.monotonic()
         ray.shutdown()
+        log.info("Ray shut down in %.1f s", time.monotonic() - began)
         logs.close()  # after the shutdown: what it logs goes to the files too
 
 

@@ -140,7 +140,10 @@ def serve_until(settings, cfg, stop: threading.Event, policy: access.AccessConfi
             pass
     finally:
         promote.forget_deployment(settings)
+        began = time.monotonic()
+        log.info("stopping: shutting Serve down")
         serve.shutdown()
+        log.info("Serve shut down in %.1f s", time.monotonic() - began)
 
 
 def wait_for_version(url: str, version: str | None = None, timeout_s: float = 60.0) -> str:

@@ -1,6 +1,7 @@
 """The CLI's contract: every command in --help; bad input exits 2 with one clear line. In this
 process through `app.__main__.main`, except the one test of the installed `argus` entry point."""
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,41 @@ def test_ray_logs_go_to_files_unless_verbose(monkeypatch):
     assert cluster._to_files
     _configure_logging(verbose=True)  # -v: Ray's logs, its workers' output and progress on the console
     assert not cluster._to_files
+
+
+# A foreground command whose cleanup never returns (where `serve` once hung in CI after SIGTERM).
+HANGING_STOP = """
+import sys, threading, time
+from app.__main__ import _stop_event
+stop = _stop_event(float(sys.argv[1]) or None)
+print("ready", flush=True)
+stop.wait()
+print("stopping", flush=True)
+threading.Event().wait()  # a shutdown that hangs
+"""
+
+
+@pytest.mark.parametrize("grace_s", [1.0, None])
+def test_a_hung_stop_ends_after_its_grace_with_every_stack(grace_s):
+    """SIGTERM sets the stop; a cleanup that then hangs is ended `grace_s` later with exit 1 and
+    each thread's stack on stderr. Without a grace (commands that must finish their write) it waits."""
+    hanging = subprocess.Popen(
+        [sys.executable, "-c", HANGING_STOP, str(grace_s or 0)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert hanging.stdout.readline() == "ready\n"
+        hanging.send_signal(signal.SIGTERM)
+        assert hanging.stdout.readline() == "stopping\n"
+        if grace_s is None:
+            with pytest.raises(subprocess.TimeoutExpired):
+                hanging.wait(timeout=5)
+            return
+        assert hanging.wait(timeout=60) == 1
+        stderr = hanging.stderr.read()
+        assert stderr.startswith("Timeout (0:00:01)!"), stderr
+        assert 'File "<string>", line 8 in <module>' in stderr, stderr  # where the main thread hung
+    finally:
+        if hanging.poll() is None:
+            hanging.kill()
+            hanging.wait()
