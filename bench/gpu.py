@@ -21,7 +21,7 @@ Without a GPU and without `--cpu` it prints why and exits 0: there is nothing to
 3. serve: `app.serve.build_app` on one GPU replica, ResNet-50 at 224 px, `max_batch_size` 32 against
    1 (batching off), a closed loop of `--concurrency` clients posting PNGs. Goal: ≥ 2× throughput.
 
-With `--cpu` every part runs the same functions on CPU (cnn at 32 px, a few hundred records, the GPU
+With `--cpu` every part runs the same functions on CPU (cnn at 32 px, about a hundred records, the GPU
 actor and nvJPEG on the CPU device): it proves the script runs end to end; its numbers mean nothing.
 """
 
@@ -101,14 +101,13 @@ def preprocess_part(args, device: str) -> list[str]:
     records = jpeg_records(args.preprocess_records, args.source_size, seed=1)
     values, labels = [r.value for r in records], [r.label for r in records]
     rows, goals = [], []
-    with common.local_ray(num_cpus=os.cpu_count() or 2):
-        cpu_pool = ingest_bench.ray_preprocess(values, labels, args.image_size, args.block, use_gpu=False)
-        rows.append(["CPU actors (ingest without a GPU)", cpu_pool["busy_images_per_s"], "1.00×"])
-        if device == "cuda":
-            gpu = ingest_bench.ray_preprocess(values, labels, args.image_size, args.block, use_gpu=True)
-            ratio = gpu["busy_images_per_s"] / cpu_pool["busy_images_per_s"]
-            rows.append(["GPU actor (ingest --use-gpu)", gpu["busy_images_per_s"], f"{ratio:.2f}×"])
-            goals.append(goal_line("GPU preprocessing actor vs the CPU pool", ratio, PREPROCESS_GOAL))
+    cpu_pool = ingest_bench.ray_preprocess(values, labels, args.image_size, args.block, use_gpu=False)
+    rows.append(["CPU actors (ingest without a GPU)", cpu_pool["busy_images_per_s"], "1.00×"])
+    if device == "cuda":
+        gpu = ingest_bench.ray_preprocess(values, labels, args.image_size, args.block, use_gpu=True)
+        ratio = gpu["busy_images_per_s"] / cpu_pool["busy_images_per_s"]
+        rows.append(["GPU actor (ingest --use-gpu)", gpu["busy_images_per_s"], f"{ratio:.2f}×"])
+        goals.append(goal_line("GPU preprocessing actor vs the CPU pool", ratio, PREPROCESS_GOAL))
     rates = decode_rates(values, args.image_size, device, os.cpu_count() or 2, args.block)
     rows.append([f"in process: Pillow in threads, resize on {device}", rates["pillow"], "—"])
     nv = rates["nvjpeg"] / rates["pillow"]
@@ -170,7 +169,7 @@ def train_part(args, device: str, tmp: Path) -> list[str]:
 
     use_gpu = device == "cuda"
     rows, goals = [], []
-    with common.embedded_broker(tmp) as bootstrap, common.local_ray(num_cpus=os.cpu_count() or 2):
+    with common.embedded_broker(tmp) as bootstrap:
         settings = Settings(
             bootstrap_servers=bootstrap,
             topic="bench-gpu",
@@ -224,46 +223,44 @@ def train_part(args, device: str, tmp: Path) -> list[str]:
 
 def serve_part(args, device: str, tmp: Path) -> list[str]:
     import serve as serve_bench  # bench/serve.py: its registered model and closed-loop client
+    from ray import serve
+
+    from app.net import free_port
+    from app.serve import build_app
 
     tracking_uri = f"sqlite:///{tmp / 'mlflow.db'}"
     serve_bench.register_untrained(tracking_uri, (tmp / "mlartifacts").as_uri(), args.model, args.image_size)
     # PNG: the closed-loop client sends image/png.
     bodies = [r.value for r in common.synthetic_pool(64, args.image_size, seed=9)]
     rates = {}
-    with common.local_ray(num_cpus=os.cpu_count() or 2):
-        from ray import serve
-
-        from app.net import free_port
-        from app.serve import build_app
-
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        try:
-            for batch in (args.serve_batch, 1):
-                prefix = f"/b{batch}"
-                serve.run(
-                    build_app(
-                        {
-                            "mlflow_uri": tracking_uri,
-                            "model_name": f"bench-{args.model}",
-                            "max_batch_size": batch,
-                            "poll_s": 3600,
-                            "num_gpus": 1 if device == "cuda" else 0,
-                        }
-                    ),
-                    name=f"bench-b{batch}",
-                    route_prefix=prefix,
-                    blocking=False,
-                )
-                url = f"http://127.0.0.1:{port}{prefix}"
-                serve_bench._wait_ok(f"{url}/healthz", timeout_s=300)
-                result = serve_bench.load_run(
-                    f"{url}/predict", bodies, args.concurrency, args.requests, warmup=args.concurrency
-                )
-                rates[batch] = result["requests_per_s"]
-                serve.delete(f"bench-b{batch}")
-        finally:
-            serve.shutdown()
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        for batch in (args.serve_batch, 1):
+            prefix = f"/b{batch}"
+            serve.run(
+                build_app(
+                    {
+                        "mlflow_uri": tracking_uri,
+                        "model_name": f"bench-{args.model}",
+                        "max_batch_size": batch,
+                        "poll_s": 3600,
+                        "num_gpus": 1 if device == "cuda" else 0,
+                    }
+                ),
+                name=f"bench-b{batch}",
+                route_prefix=prefix,
+                blocking=False,
+            )
+            url = f"http://127.0.0.1:{port}{prefix}"
+            serve_bench._wait_ok(f"{url}/healthz", timeout_s=300)
+            result = serve_bench.load_run(
+                f"{url}/predict", bodies, args.concurrency, args.requests, warmup=args.concurrency
+            )
+            rates[batch] = result["requests_per_s"]
+            serve.delete(f"bench-b{batch}")
+    finally:
+        serve.shutdown()
     ratio = rates[args.serve_batch] / rates[1]
     print_table(
         f"3. serve {args.model} at {args.image_size} px, {args.concurrency} clients (requests/s)",
@@ -282,8 +279,8 @@ GPU_DEFAULTS = dict(
     serve_batch=32,
 )  # fmt: skip
 CPU_DEFAULTS = dict(
-    model="cnn", image_size=32, source_size=64, preprocess_records=64, block=16,
-    train_records=192, epochs=2, batch_size=32, plain_s=1.0, requests=48, concurrency=8,
+    model="cnn", image_size=32, source_size=64, preprocess_records=32, block=16,
+    train_records=96, epochs=2, batch_size=32, plain_s=1.0, requests=32, concurrency=8,
     serve_batch=8,
 )  # fmt: skip
 
@@ -307,11 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench/gpu.py on {device} · {common.machine_line()}", flush=True)
     parts = {"preprocess": preprocess_part, "train": train_part, "serve": serve_part}
     goals, started = [], time.perf_counter()
-    for name in args.parts.split(","):
-        part_started = time.perf_counter()
-        with common.scratch_dir(f"argus-bench-gpu-{name}-") as tmp:
-            goals += parts[name](args, device) if name == "preprocess" else parts[name](args, device, tmp)
-        print(f"  ({name}: {time.perf_counter() - part_started:.0f} s)", flush=True)
+    with common.local_ray(num_cpus=os.cpu_count() or 2):  # one Ray for every part: each start costs
+        for name in args.parts.split(","):
+            part_started = time.perf_counter()
+            with common.scratch_dir(f"argus-bench-gpu-{name}-") as tmp:
+                goals += parts[name](args, device) if name == "preprocess" else parts[name](args, device, tmp)
+            print(f"  ({name}: {time.perf_counter() - part_started:.0f} s)", flush=True)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     for line in goals:
         print(line)

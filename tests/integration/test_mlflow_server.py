@@ -110,7 +110,7 @@ def served_version(url: str, image: bytes) -> str:
 
 @pytest.mark.slow
 def test_train_register_serve_and_promote_through_a_server_with_basic_auth(
-    trained, mlflow_server, tmp_path, monkeypatch
+    trained, mlflow_server, tmp_path, monkeypatch, cli
 ):
     """Train on the shared fixture's snapshot, registering in the server; `serve` (its replicas load
     through the server) and `promote` with the credentials from the environment; the versions are
@@ -169,9 +169,9 @@ def test_train_register_serve_and_promote_through_a_server_with_basic_auth(
         assert promoted.returncode == 0, promoted.stderr[-3000:]
         assert f"every replica (1) at {url} serves v{candidate}" in promoted.stdout
 
-        for name in mlflow_server.credentials:  # run_cli's child inherits this process's environment
+        for name in mlflow_server.credentials:  # refused by the registry before any Ray: in process
             monkeypatch.delenv(name)
-        refused = run_cli("promote", report.version, *served_args, "--timeout-s", "30", timeout=120)
+        refused = cli("promote", report.version, *served_args, "--timeout-s", "30")
         assert refused.returncode == 2 and "refused this client (HTTP 401)" in refused.stderr, refused.stderr
         for name, value in mlflow_server.credentials.items():
             monkeypatch.setenv(name, value)
