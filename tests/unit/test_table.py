@@ -6,8 +6,6 @@ and reads pinned to a snapshot, through Argus and through PyIceberg alone."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -20,46 +18,11 @@ from app.data.catalog import catalog_uri, warehouse_uri
 from app.data.table import ImageTable, OffsetConflict, conform, pixels
 from app.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
-TOPIC = "behavior-images"
-DAY_MS = 86_400_000
-T0 = 1_767_225_600_000  # 2026-01-01T00:00:00Z
-
-
-def batch(partition: int, offsets, writer: str = "w") -> pa.Table:
-    """Rows for `offsets` of `partition`: two event dates, some unlabelled, 8x8 pixels that differ
-    by offset and by position (so a transposed read shows)."""
-    offsets = list(offsets)
-    base = np.arange(8 * 8 * 3, dtype=np.uint8).reshape(8, 8, 3)
-    return pa.table(
-        {
-            "kafka_partition": pa.array([partition] * len(offsets), pa.int32()),
-            "kafka_offset": pa.array(offsets, pa.int64()),
-            "user_id": [f"{writer}:{partition}:{o}" for o in offsets],
-            "label": [None if o % 3 == 0 else "tap" for o in offsets],
-            "event_time_ms": pa.array([T0 + (o % 2) * DAY_MS + o for o in offsets], pa.int64()),
-            "device_id": [f"device-{o % 2}" for o in offsets],
-            "pixels": [(base + o).tobytes() for o in offsets],
-            "height": pa.array([8] * len(offsets), pa.int32()),
-            "width": pa.array([8] * len(offsets), pa.int32()),
-        }
-    )
-
-
-def coordinates(rows: pa.Table) -> list[tuple[int, int]]:
-    return sorted(zip(rows.column("kafka_partition").to_pylist(), rows.column("kafka_offset").to_pylist()))
+from tables import TOPIC, batch, check_one_winner, coordinates, pyiceberg_alone, race, race_in_processes
 
 
 def data_files_on_disk(storage: Path) -> set[str]:
     return {str(p) for p in (storage / "warehouse").rglob("*.parquet")}
-
-
-def pyiceberg_alone(storage: Path):
-    """The table as any PyIceberg user opens it: no Argus code."""
-    catalog = SqlCatalog(
-        "argus", uri=f"sqlite:///{storage / 'catalog.db'}", warehouse=f"file://{storage / 'warehouse'}"
-    )
-    return catalog.load_table("argus.behavior_images")
 
 
 def test_a_commit_reads_back_every_row_once_with_its_pixels_and_summary(tmp_path):
@@ -215,32 +178,6 @@ def test_a_lost_swap_to_another_partitions_commit_is_tried_again_and_lands(tmp_p
     assert coordinates(first.scan(outcome["snapshot_id"])) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
 
 
-def race(storage: str, writer: str, ready, go) -> str:
-    """One of two writers that planned from the same base: commit offsets [0, 4) of partition 0;
-    on a conflict, plan again from the table and commit the next four. Returns `won` or `lost`."""
-    table = ImageTable(catalog_uri(storage), warehouse_uri(storage))
-    start = table.committed().get(0, 0)
-    ready()
-    go()
-    try:
-        table.commit(batch(0, range(start, start + 4), writer), {0: (start, start + 4)}, 0, TOPIC)
-        return "won"
-    except OffsetConflict:
-        start = table.committed()[0]
-        table.commit(batch(0, range(start, start + 4), writer), {0: (start, start + 4)}, 0, TOPIC)
-        return "lost"
-
-
-def _check_one_winner(storage: Path, outcomes: dict[str, str]) -> None:
-    assert sorted(outcomes.values()) == ["lost", "won"], outcomes
-    winner = next(w for w, o in outcomes.items() if o == "won")
-    rows = pyiceberg_alone(storage).scan().to_arrow()
-    assert coordinates(rows) == [(0, o) for o in range(8)]
-    by_offset = dict(zip(rows.column("kafka_offset").to_pylist(), rows.column("user_id").to_pylist()))
-    assert all(by_offset[o].startswith(f"{winner}:") for o in range(4))
-    assert ImageTable.at(str(storage)).committed() == {0: 8}
-
-
 def test_two_threads_racing_from_the_same_base_one_commits_the_other_replans(tmp_path):
     ImageTable.at(str(tmp_path))  # created once, before the writers
     barrier = threading.Barrier(2, timeout=60)
@@ -254,43 +191,12 @@ def test_two_threads_racing_from_the_same_base_one_commits_the_other_replans(tmp
         thread.start()
     for thread in threads:
         thread.join()
-    _check_one_winner(tmp_path, outcomes)
-
-
-CHILD = """
-import sys
-sys.path.insert(0, {tests!r})
-from test_table import race
-storage, name = sys.argv[1:]
-print(race(storage, name, lambda: print("ready", flush=True), sys.stdin.readline), flush=True)
-"""
+    check_one_winner(tmp_path, outcomes)
 
 
 def test_two_processes_racing_from_the_same_base_one_commits_the_other_replans(tmp_path):
     ImageTable.at(str(tmp_path))
-    code = CHILD.format(tests=str(Path(__file__).parent))
-    children = {
-        name: subprocess.Popen(
-            [sys.executable, "-c", code, str(tmp_path), name],
-            cwd=ROOT,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for name in ("a", "b")
-    }
-    try:
-        for child in children.values():  # both have read the same base
-            assert child.stdout.readline().strip() == "ready"
-        for child in children.values():
-            child.stdin.write("go\n")
-            child.stdin.flush()
-        outcomes = {name: child.communicate(timeout=120)[0].strip() for name, child in children.items()}
-    finally:
-        for child in children.values():
-            child.kill()
-    assert all(child.returncode == 0 for child in children.values())
-    _check_one_winner(tmp_path, outcomes)
+    check_one_winner(tmp_path, race_in_processes(tmp_path))
 
 
 def test_a_table_of_a_newer_argus_is_refused_and_left_unchanged(tmp_path):
