@@ -32,7 +32,7 @@ def test_its_cpu_path_runs_every_part_and_prints_each_goal():
     result = bench("--cpu", timeout=840)
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     out = result.stdout
-    for title in ("1. preprocess 64 64 px JPEGs → 32 px", "2. train cnn at 32 px", "3. serve cnn at 32 px"):
+    for title in ("1. preprocess 32 64 px JPEGs → 32 px", "2. train cnn at 32 px", "3. serve cnn at 32 px"):
         assert title in out, out
     assert "CPU actors (ingest without a GPU)" in out and "libjpeg" in out
     for run in ("cnn bf16", "cnn fp16"):  # both autocast modes trained through the full path
