@@ -94,6 +94,16 @@ def _migrate(settings: Settings, args) -> int:
     return 0
 
 
+def _erase(settings: Settings, args, cfg) -> int:
+    from app.data.maintenance import erase_user
+    from app.data.table import ImageTable
+
+    report = erase_user(ImageTable.at(settings.storage, settings.catalog, settings.table), cfg.user)
+    print(report)
+    print(report.outside_the_table())
+    return 0
+
+
 def _watch(settings: Settings, args, cfg, ingest_cfg) -> int:
     from app.cluster import ray_session, require_local_gpu
     from app.data.broker import kafka_endpoint
@@ -271,6 +281,12 @@ COMMANDS = {
         "import snapshot folders of the old layout into the Iceberg table, once",
         _migrate,
         options.add_migrate,
+    ),
+    "erase": Command(
+        "delete one user's rows from the Iceberg table, its history included, and say what went",
+        _erase,
+        options.add_erase,
+        ("app.data.maintenance:EraseConfig",),
     ),
     "drift": Command(
         "compare served traffic with the training snapshot; --retrain submits a job",

@@ -345,5 +345,10 @@ def add_table(parser) -> None:
     parser.add_argument("--table", help="the table, namespace.table (default argus.behavior_images)")
 
 
+def add_erase(parser) -> None:
+    add_table(parser)
+    parser.add_argument("--user", help="the user (their records' Kafka key) whose rows to delete")
+
+
 def add_migrate(parser) -> None:
     add_table(parser)

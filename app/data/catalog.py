@@ -45,6 +45,14 @@ NO_RETRIES = {RETRIES_KEY: "0"}
 """PyIceberg (0.12) retries a conflicting append on the new base with the summary it built for the
 old one, so a retried Argus commit would carry stale offsets: every writer of this table re-checks
 the offsets itself and re-plans instead (`app.data.table`)."""
+METADATA_VERSIONS_KEPT = 20
+TABLE_PROPERTIES = {
+    **NO_RETRIES,
+    # Each commit writes a new metadata JSON: keep the last few, not one per commit for years.
+    TableProperties.METADATA_DELETE_AFTER_COMMIT_ENABLED: "true",
+    TableProperties.METADATA_PREVIOUS_VERSIONS_MAX: str(METADATA_VERSIONS_KEPT),
+}
+"""Properties every Argus table has; `ImageTable` sets them again on a table that lost them."""
 
 
 def _is_local(uri: str) -> bool:
@@ -130,7 +138,7 @@ def create_or_load(catalog: Catalog, identifier: str, *, source: bool, features:
     except NoSuchTableError:
         pass
     catalog.create_namespace_if_not_exists(namespace)
-    properties = {FORMAT_KEY: str(FORMAT), **NO_RETRIES}
+    properties = {FORMAT_KEY: str(FORMAT), **TABLE_PROPERTIES}
     return catalog.create_table_if_not_exists(
         identifier,
         table_schema(source=source, features=features),

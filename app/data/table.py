@@ -33,8 +33,7 @@ from app.config import DEFAULT_TABLE
 from app.data.catalog import (
     FORMAT,
     FORMAT_KEY,
-    NO_RETRIES,
-    RETRIES_KEY,
+    TABLE_PROPERTIES,
     catalog_uri,
     check_format,
     create_or_load,
@@ -102,14 +101,13 @@ class ImageTable:
         """The table as the catalog has it now, checked to be one this Argus may write."""
         table = self.catalog.load_table(self.identifier)
         check_format(table)
-        if table.properties.get(RETRIES_KEY) != NO_RETRIES[RETRIES_KEY]:
+        lost = {k: v for k, v in TABLE_PROPERTIES.items() if table.properties.get(k) != v}
+        if lost:
             # PyIceberg reads the retry count from the table it commits (Transaction.commit_transaction):
             # whoever set it back, it is off again before this handle's commits use the table.
-            log.warning(
-                "table %s: turning PyIceberg's commit retries off (Argus re-plans instead)", self.identifier
-            )
+            log.warning("table %s: setting %s again (Argus re-plans, never retries)", self.identifier, lost)
             with table.transaction() as txn:
-                txn.set_properties(NO_RETRIES)
+                txn.set_properties(lost)
             table = self.catalog.load_table(self.identifier)
         return table
 

@@ -24,7 +24,7 @@ NOT_A_FIELD = {
 }
 
 # What some commands need besides the flag under test to be valid at all.
-BASELINE = {"produce": ["--synthetic", "1"], "promote": ["7"]}
+BASELINE = {"produce": ["--synthetic", "1"], "promote": ["7"], "erase": ["--user", "u"]}
 
 # Values a generic rule would get wrong (a format to follow, a closed set); (argument, field value).
 SPECIAL = {

@@ -1,0 +1,359 @@
+"""Keeping the table cheap and lawful over years (CONTRACT.md §2): compaction, snapshot expiry,
+orphan removal and one user's erasure, each a catalog commit that carries the Kafka offsets forward.
+
+    report = compact(table)                         # small files → ~128 MB files per event date
+    report = expire(table, older_than_s=7 * 86400, keep={pinned_snapshot_id})
+    removed = remove_orphans(table, older_than_s=3 * 86400)
+    report = erase_user(table, "user-17")           # rows gone from every snapshot still kept
+
+Every change is one Iceberg commit asserting the branch is still where it was planned (retries
+are off on Argus tables): one that loses the swap re-plans on the new base, so a compaction never
+resurrects a row an erasure deleted, nor drops one a writer added. Files are deleted only once no
+retained snapshot names them; what a pinned reader (a registered version's snapshot, or one newer
+than the expiry age) still uses stays.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.expressions import AlwaysTrue, EqualTo
+from pyiceberg.io import FileIO
+from pyiceberg.io.pyarrow import ArrowScan
+from pyiceberg.manifest import DataFile
+from pyiceberg.table import FileScanTask, Table, Transaction
+from pyiceberg.table.refs import MAIN_BRANCH
+from pyiceberg.table.snapshots import Snapshot
+from pyiceberg.table.update import AssertRefSnapshotId, RemoveSnapshotsUpdate
+
+from app.data.catalog import FORMAT, FORMAT_KEY, dumps
+from app.data.table import COMMITTED_KEY, TOPIC_KEY, ImageTable, _committed, _nearest
+from app.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+TARGET_FILE_BYTES = 128 * 1024 * 1024
+"""What compaction writes: files of about this size per event date (engines read 100 MB–1 GB
+files best; the parts `watch` commits are kilobytes)."""
+SMALL_FILE_FRACTION = 0.75
+"""A file below this fraction of TARGET_FILE_BYTES is small and is rewritten with its neighbours."""
+SWAP_ATTEMPTS = 5
+"""Catalog swaps a maintenance commit tries (re-planned each time) before it gives way to writers."""
+
+
+@dataclass(kw_only=True)
+class EraseConfig:
+    user: str = ""
+    """The user whose rows go: their Kafka record key (`user_id` in the table)."""
+
+    def __post_init__(self):
+        if not self.user:
+            raise ConfigError("erase needs --user ID")
+
+
+@dataclass
+class CompactionReport:
+    files_before: int = 0
+    files_after: int = 0
+    rows: int = 0
+    snapshot_id: int | None = None
+
+    def __str__(self) -> str:
+        if self.snapshot_id is None:
+            return "compaction: nothing to rewrite"
+        return (
+            f"compaction: {self.files_before} files → {self.files_after} ({self.rows} rows), "
+            f"snapshot {self.snapshot_id}"
+        )
+
+
+@dataclass
+class ExpiryReport:
+    snapshots: list[int] = field(default_factory=list)
+    files_deleted: int = 0
+
+    def __str__(self) -> str:
+        return f"expiry: {len(self.snapshots)} table snapshots expired, {self.files_deleted} files deleted"
+
+
+@dataclass
+class ErasureReport:
+    user_id: str
+    rows: int = 0
+    files_rewritten: int = 0
+    snapshots_expired: list[int] = field(default_factory=list)
+    files_deleted: int = 0
+
+    def __str__(self) -> str:
+        if not self.rows and not self.snapshots_expired:
+            return f"erase: no rows of user {self.user_id!r} in the table; nothing changed"
+        return (
+            f"erase: {self.rows} rows of user {self.user_id!r} deleted "
+            f"({self.files_rewritten} files rewritten); "
+            f"{len(self.snapshots_expired)} older table snapshots that held them expired, "
+            f"{self.files_deleted} files deleted"
+        )
+
+    def outside_the_table(self) -> str:
+        """What an erasure of the table leaves elsewhere, said with every erasure."""
+        return (
+            "not in the table: served traffic logs hold no user ids; dead letters stay in the "
+            "dead-letter topic until its retention deletes them"
+        )
+
+
+def carried_summary(table: Table, base: Snapshot | None) -> dict[str, str]:
+    """The Argus keys a maintenance commit repeats from its base: the committed offsets (an ingest
+    plans from the current snapshot), the topic and the format."""
+    summary = {FORMAT_KEY: str(FORMAT), COMMITTED_KEY: dumps(_committed(table, base))}
+    topic = _nearest(table, base, TOPIC_KEY)
+    if topic is not None:
+        summary[TOPIC_KEY] = topic
+    return summary
+
+
+def _swap(
+    images: ImageTable, what: str, change: Callable[[Table, Snapshot], Transaction | None]
+) -> Table | None:
+    """Run `change(table, base)` on the current table and commit the transaction it returns (None:
+    nothing to do), planning again on the new base whenever another commit wins the swap. Returns
+    the table as committed, or None when there was nothing to do."""
+    for attempt in range(1, SWAP_ATTEMPTS + 1):
+        table = images.load()
+        base = table.current_snapshot()
+        if base is None:
+            return None
+        txn = change(table, base)
+        if txn is None:
+            return None
+        try:
+            txn.commit_transaction()
+        except CommitFailedException as exc:
+            log.info(
+                "%s of %s lost a race (attempt %d), planning again: %s", what, images.identifier, attempt, exc
+            )
+            continue
+        return images.load()
+    raise CommitFailedException(
+        f"{what}: {SWAP_ATTEMPTS} swaps in a row lost to other writers; nothing changed"
+    )
+
+
+def _read(table: Table, files: Iterable[DataFile]) -> pa.Table:
+    """Every row of `files`, in the table's schema (Argus writes no delete files)."""
+    scan = ArrowScan(table.metadata, table.io, table.schema(), AlwaysTrue())
+    return scan.to_table([FileScanTask(f) for f in files])
+
+
+def compact(
+    images: ImageTable, target_file_bytes: int = TARGET_FILE_BYTES, min_files: int = 2
+) -> CompactionReport:
+    """Rewrite each event date's small files into files of about `target_file_bytes`, rows in Kafka
+    order, as one commit that removes exactly those files and adds their rows once."""
+    report = CompactionReport()
+    written: list[DataFile] = []
+
+    def change(table: Table, base: Snapshot) -> Transaction | None:
+        _delete_files(table.io, (f.file_path for f in written))  # a lost swap's rewrite: never committed
+        written.clear()
+        by_date: dict[object, list[DataFile]] = {}
+        for task in table.scan(snapshot_id=base.snapshot_id).plan_files():
+            if task.file.file_size_in_bytes < target_file_bytes * SMALL_FILE_FRACTION:
+                by_date.setdefault(task.file.partition[0], []).append(task.file)
+        bins = [
+            b for files in by_date.values() for b in _bins(files, target_file_bytes) if len(b) >= min_files
+        ]
+        if not bins:
+            return None
+        old = [f for b in bins for f in b]
+        for files in bins:
+            rows = _read(table, files).sort_by(
+                [("kafka_partition", "ascending"), ("kafka_offset", "ascending")]
+            )
+            written.extend(images.write_files(rows))
+        report.files_before, report.files_after = len(old), len(written)
+        report.rows = sum(f.record_count for f in old)
+        if sum(f.record_count for f in written) != report.rows:  # never lose or repeat a row
+            raise RuntimeError(
+                f"compaction read {report.rows} rows but wrote {sum(f.record_count for f in written)}"
+            )
+        txn = table.transaction()
+        summary = {**carried_summary(table, base), "argus.compacted.files": str(len(old))}
+        with txn.update_snapshot(snapshot_properties=summary).overwrite() as rewrite:
+            for data_file in old:
+                rewrite.delete_data_file(data_file)
+            for data_file in written:
+                rewrite.append_data_file(data_file)
+        return txn
+
+    try:
+        committed = _swap(images, "compaction", change)
+    except BaseException:
+        _delete_files(images.load().io, (f.file_path for f in written))
+        raise
+    if committed is not None:
+        report.snapshot_id = committed.current_snapshot().snapshot_id
+        log.info("%s", report)
+    return report
+
+
+def _bins(files: list[DataFile], target_bytes: int) -> list[list[DataFile]]:
+    """`files` grouped greedily, smallest first, into bins of at most about `target_bytes`."""
+    bins: list[list[DataFile]] = [[]]
+    size = 0
+    for data_file in sorted(files, key=lambda f: f.file_size_in_bytes):
+        if bins[-1] and size + data_file.file_size_in_bytes > target_bytes:
+            bins.append([])
+            size = 0
+        bins[-1].append(data_file)
+        size += data_file.file_size_in_bytes
+    return bins
+
+
+def _referenced(table: Table, snapshots: Iterable[Snapshot]) -> set[str]:
+    """Every file the `snapshots` need: their manifest lists, manifests and live data files."""
+    paths: set[str] = set()
+    for snapshot in snapshots:
+        paths.add(snapshot.manifest_list)
+        for manifest in snapshot.manifests(table.io):
+            paths.add(manifest.manifest_path)
+            paths.update(
+                e.data_file.file_path for e in manifest.fetch_manifest_entry(table.io, discard_deleted=True)
+            )
+    return paths
+
+
+def _delete_files(io: FileIO, paths: Iterable[str]) -> int:
+    deleted = 0
+    for path in paths:
+        try:
+            io.delete(path)
+            deleted += 1
+        except FileNotFoundError:
+            pass  # deleted by an earlier pass that died before it finished
+    return deleted
+
+
+def _expire_ids(images: ImageTable, choose: Callable[[Table], set[int]]) -> tuple[list[int], int]:
+    """Expire the snapshots `choose(table)` names (never the current one), in one commit asserting
+    the branch did not move, then delete the files only they needed. Returns (ids, files deleted)."""
+    chosen: dict[str, object] = {}
+
+    def change(table: Table, base: Snapshot) -> Transaction | None:
+        ids = choose(table) - {base.snapshot_id}
+        if not ids:
+            return None
+        kept = [s for s in table.snapshots() if s.snapshot_id not in ids]
+        chosen["ids"] = sorted(ids)
+        chosen["files"] = _referenced(table, (table.snapshot_by_id(i) for i in ids)) - _referenced(
+            table, kept
+        )
+        txn = table.transaction()
+        # PyIceberg's ExpireSnapshots asserts nothing; this removal must not race a compaction that
+        # makes a file of an expired snapshot live again.
+        txn._apply(
+            (RemoveSnapshotsUpdate(snapshot_ids=list(ids)),),
+            (AssertRefSnapshotId(snapshot_id=base.snapshot_id, ref=MAIN_BRANCH),),
+        )
+        return txn
+
+    committed = _swap(images, "expiry", change)
+    if committed is None:
+        return [], 0
+    return chosen["ids"], _delete_files(committed.io, chosen["files"])
+
+
+def expire(images: ImageTable, older_than_s: float, keep: Iterable[int] = ()) -> ExpiryReport:
+    """Expire table snapshots older than `older_than_s` but those in `keep` (the ones registered
+    versions name) and the current one, and delete the files no kept snapshot needs."""
+    keep = set(keep)
+    cutoff_ms = (time.time() - older_than_s) * 1000
+
+    def choose(table: Table) -> set[int]:
+        return {
+            s.snapshot_id
+            for s in table.snapshots()
+            if s.timestamp_ms < cutoff_ms and s.snapshot_id not in keep
+        }
+
+    ids, deleted = _expire_ids(images, choose)
+    report = ExpiryReport(ids, deleted)
+    if ids:
+        log.info("%s", report)
+    return report
+
+
+def remove_orphans(images: ImageTable, older_than_s: float) -> list[str]:
+    """Delete files under the table's location that neither a snapshot nor the metadata names and
+    that are older than `older_than_s` (younger ones may be a writer's, not yet committed)."""
+    from pyarrow import fs as pafs
+
+    table = images.load()
+    needed = _referenced(table, table.snapshots())
+    needed.add(table.metadata_location)
+    needed.update(entry.metadata_file for entry in table.metadata.metadata_log)
+    filesystem, root = pafs.FileSystem.from_uri(table.location())
+    scheme = table.location()[: -len(root)] if table.location().endswith(root) else ""
+    cutoff = time.time() - older_than_s
+    removed = []
+    for info in filesystem.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True)):
+        if info.type != pafs.FileType.File or info.mtime is None or info.mtime.timestamp() >= cutoff:
+            continue
+        uri = scheme + info.path
+        if uri not in needed and info.path not in needed:
+            filesystem.delete_file(info.path)
+            removed.append(uri)
+    if removed:
+        log.info("removed %d orphan files under %s", len(removed), table.location())
+    return removed
+
+
+def erase_user(images: ImageTable, user_id: str) -> ErasureReport:
+    """Delete every row of `user_id`: from the current snapshot (files rewritten without them), then
+    from history, by expiring every older snapshot that still holds one (a registered version's
+    included: the erasure outranks its lineage) and deleting the files only those needed."""
+    report = ErasureReport(user_id)
+    match = EqualTo("user_id", user_id)
+
+    def change(table: Table, base: Snapshot) -> Transaction | None:
+        tasks = list(table.scan(snapshot_id=base.snapshot_id, row_filter=match).plan_files())
+        rows = _read(table, (t.file for t in tasks)).column("user_id") if tasks else pa.array([], pa.string())
+        report.rows = pc.sum(pc.equal(rows, user_id)).as_py() or 0
+        report.files_rewritten = len(tasks)
+        if not report.rows:
+            return None
+        txn = table.transaction()
+        txn.delete(match, snapshot_properties={**carried_summary(table, base), "argus.erased.user": "1"})
+        return txn
+
+    _swap(images, "erasure", change)
+
+    def holding(table: Table) -> set[int]:
+        """Snapshots with a live file that holds a row of the user."""
+        tainted: dict[str, bool] = {}
+        ids = set()
+        for snapshot in table.snapshots():
+            for task in table.scan(snapshot_id=snapshot.snapshot_id, row_filter=match).plan_files():
+                path = task.file.file_path
+                if path not in tainted:
+                    users = _read(table, [task.file]).column("user_id")
+                    tainted[path] = bool(pc.any(pc.equal(users, user_id)).as_py())
+                if tainted[path]:
+                    ids.add(snapshot.snapshot_id)
+                    break
+        return ids
+
+    report.snapshots_expired, report.files_deleted = _expire_ids(images, holding)
+    left = holding(images.load())
+    if left:  # only the current snapshot can be left: a writer committed the user's rows meanwhile
+        log.warning(
+            "erase: user %r has rows again in snapshot(s) %s, committed meanwhile", user_id, sorted(left)
+        )
+    log.info("%s", report)
+    return report

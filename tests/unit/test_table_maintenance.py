@@ -1,0 +1,184 @@
+"""The table's upkeep (app.data.maintenance) on a real PyIceberg SQL catalog on SQLite and real
+Parquet under tmp_path: compaction, expiry that spares pinned snapshots, bounded metadata, orphan
+removal, and one user's erasure from the table and its history, checked through PyIceberg alone
+and by reading every Parquet file left on disk."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from app.data.catalog import METADATA_VERSIONS_KEPT
+from app.data.maintenance import compact, expire, remove_orphans
+from app.data.table import ImageTable
+
+from tables import TOPIC, batch, coordinates, pyiceberg_alone
+
+
+def parquet_on_disk(storage: Path) -> set[str]:
+    return {str(p) for p in (storage / "warehouse").rglob("*.parquet")}
+
+
+def needed_by_snapshots(storage: Path) -> set[str]:
+    """The data files some snapshot of the table still reads, as local paths."""
+    table = pyiceberg_alone(storage)
+    return {
+        uri.removeprefix("file://")
+        for snapshot in table.snapshots()
+        for uri in (t.file.file_path for t in table.scan(snapshot_id=snapshot.snapshot_id).plan_files())
+    }
+
+
+def commit_in_small_parts(table: ImageTable, parts: int, per_part: int = 2) -> list[int]:
+    """`parts` commits of `per_part` offsets of partition 0 each: one file per event date each."""
+    return [
+        table.commit(
+            batch(0, range(i * per_part, (i + 1) * per_part)),
+            {0: (i * per_part, (i + 1) * per_part)},
+            0,
+            TOPIC,
+        )
+        for i in range(parts)
+    ]
+
+
+def test_compaction_rewrites_each_event_dates_small_files_into_one_keeping_every_row_once(tmp_path):
+    table = ImageTable.at(str(tmp_path))
+    snapshots = commit_in_small_parts(table, 6)
+    before = table.data_file_uris(snapshots[-1])
+    assert len(before) == 12  # two event dates per commit
+
+    report = compact(table, target_file_bytes=1 << 20)
+    assert (report.files_before, report.files_after, report.rows) == (12, 2, 12), report
+    current = table.current_snapshot_id()
+    assert current == report.snapshot_id
+    after = table.data_file_uris(current)
+    assert len(after) == 2 and not set(after) & set(before)
+    assert {u.split("/")[-2] for u in after} == {"event_date=2026-01-01", "event_date=2026-01-02"}
+    rows = table.scan(current)
+    assert coordinates(rows) == [(0, o) for o in range(12)]
+    # Rows in each new file are in Kafka order.
+    for uri in after:
+        offsets = pq.read_table(uri.removeprefix("file://"), columns=["kafka_offset"]).column(0).to_pylist()
+        assert offsets == sorted(offsets)
+    # The offsets are carried forward: the next ingest plans from the compaction's snapshot.
+    assert table.committed() == {0: 12}
+    summary = pyiceberg_alone(tmp_path).current_snapshot().summary.additional_properties
+    assert summary["argus.kafka.committed"] == '{"0":12}' and summary["argus.compacted.files"] == "12"
+    # A reader pinned before it still reads its own files.
+    assert coordinates(table.scan(snapshots[2])) == [(0, o) for o in range(6)]
+    assert compact(table, target_file_bytes=1 << 20).snapshot_id is None  # one file per date: done
+
+
+def test_a_compaction_that_loses_the_swap_to_a_writer_plans_again_and_keeps_the_writers_rows(tmp_path):
+    table = ImageTable.at(str(tmp_path))
+    commit_in_small_parts(table, 3)
+    writer = ImageTable.at(str(tmp_path))
+    rewrite = table.write_files
+    raced = []
+
+    def a_writer_commits_first(rows: pa.Table):
+        if not raced:  # while the compaction writes its first files, an ingest commits
+            raced.append(writer.commit(batch(1, range(3)), {1: (0, 3)}, 0, TOPIC))
+        return rewrite(rows)
+
+    table.write_files = a_writer_commits_first
+    report = compact(table, target_file_bytes=1 << 20)
+
+    assert raced and report.snapshot_id == table.current_snapshot_id()
+    assert coordinates(table.scan(report.snapshot_id)) == [(0, o) for o in range(6)] + [
+        (1, o) for o in range(3)
+    ]
+    assert table.committed() == {0: 6, 1: 3}
+    # The first plan's rewrite was never committed and is gone; nothing on disk is unaccounted for.
+    assert parquet_on_disk(tmp_path) == needed_by_snapshots(tmp_path)
+
+
+def test_expiry_keeps_pinned_and_current_snapshots_and_deletes_only_files_nobody_reads(tmp_path):
+    table = ImageTable.at(str(tmp_path))
+    c1, c2, c3, c4 = commit_in_small_parts(table, 4)
+    pinned = table.scan(c2)
+    compacted = compact(table, target_file_bytes=1 << 20).snapshot_id
+
+    assert expire(table, older_than_s=3600).snapshots == []  # all younger than an hour
+    report = expire(table, older_than_s=0, keep={c2})
+    assert sorted(report.snapshots) == sorted([c1, c3, c4]) and report.files_deleted > 0
+    assert {s.snapshot_id for s in pyiceberg_alone(tmp_path).snapshots()} == {c2, compacted}
+    assert table.scan(c2).equals(pinned)  # the pinned reader's rows, files and all
+    assert coordinates(table.scan(compacted)) == [(0, o) for o in range(8)]
+    assert table.committed() == {0: 8}
+    assert parquet_on_disk(tmp_path) == needed_by_snapshots(tmp_path)  # c3's and c4's parts are gone
+    # Manifest lists of expired snapshots are gone too.
+    lists = {str(p) for p in (tmp_path / "warehouse").rglob("snap-*.avro")}
+    kept = {s.manifest_list.removeprefix("file://") for s in pyiceberg_alone(tmp_path).snapshots()}
+    assert lists == kept
+
+
+def test_metadata_files_stay_bounded_however_many_commits(tmp_path):
+    table = ImageTable.at(str(tmp_path))
+    commit_in_small_parts(table, METADATA_VERSIONS_KEPT + 10, per_part=1)
+    metadata = list((tmp_path / "warehouse").rglob("*.metadata.json"))
+    assert len(metadata) <= METADATA_VERSIONS_KEPT + 1, len(metadata)
+    assert table.committed() == {0: METADATA_VERSIONS_KEPT + 10}
+
+
+def test_orphan_removal_deletes_old_unreferenced_files_but_spares_young_and_referenced_ones(tmp_path):
+    table = ImageTable.at(str(tmp_path))
+    commit_in_small_parts(table, 2)
+    # A writer that died after writing its files and before its commit.
+    stray = [f.file_path.removeprefix("file://") for f in table.write_files(batch(0, range(4, 6)))]
+    assert remove_orphans(table, older_than_s=3600) == []  # young: maybe a live writer's
+    hour_ago = time.time() - 7200
+    for path in [*stray, *parquet_on_disk(tmp_path)]:
+        os.utime(path, (hour_ago, hour_ago))
+
+    removed = remove_orphans(table, older_than_s=3600)
+    assert sorted(r.removeprefix("file://") for r in removed) == sorted(stray)
+    assert parquet_on_disk(tmp_path) == needed_by_snapshots(tmp_path)
+    assert coordinates(table.scan(table.current_snapshot_id())) == [(0, o) for o in range(4)]
+
+
+def with_users(rows: pa.Table, users: list[str]) -> pa.Table:
+    return rows.set_column(rows.column_names.index("user_id"), "user_id", pa.array(users))
+
+
+def test_erasing_a_user_removes_their_rows_from_the_table_its_history_and_the_disk(tmp_path, cli):
+    table = ImageTable.at(str(tmp_path))
+    first = table.commit(
+        with_users(batch(0, range(6)), ["alice", "bob", "alice", "carol", "bob", "carol"]),
+        {0: (0, 6)},
+        0,
+        TOPIC,
+    )
+    table.commit(with_users(batch(0, range(6, 8)), ["dave", "alice"]), {0: (6, 8)}, 0, TOPIC)
+    compact(table, target_file_bytes=1 << 20)
+    table.commit(with_users(batch(1, range(2)), ["erin", "bob"]), {1: (0, 2)}, 0, TOPIC)
+
+    erased = cli("erase", "--user", "alice", "--storage", str(tmp_path))
+    assert erased.returncode == 0, erased.stderr
+    assert "3 rows of user 'alice' deleted" in erased.stdout, erased.stdout
+    assert "served traffic logs hold no user ids" in erased.stdout
+
+    rows = table.scan(table.current_snapshot_id())
+    assert "alice" not in rows.column("user_id").to_pylist()
+    assert coordinates(rows) == [(0, o) for o in (1, 3, 4, 5, 6)] + [(1, 0), (1, 1)]
+    assert table.committed() == {0: 8, 1: 2}  # the offsets stay committed: nothing is re-read
+    # No snapshot a reader (even a pinned one) could open holds her rows, and no file on disk does.
+    plain = pyiceberg_alone(tmp_path)
+    assert first not in {s.snapshot_id for s in plain.snapshots()}
+    for snapshot in plain.snapshots():
+        assert (
+            "alice"
+            not in plain.scan(snapshot_id=snapshot.snapshot_id).to_arrow().column("user_id").to_pylist()
+        )
+    for path in parquet_on_disk(tmp_path):
+        assert "alice" not in pq.read_table(path, columns=["user_id"]).column(0).to_pylist(), path
+
+    again = cli("erase", "--user", "alice", "--storage", str(tmp_path))
+    assert again.returncode == 0 and "no rows of user 'alice'" in again.stdout, again.stdout
+    refused = cli("erase", "--storage", str(tmp_path))
+    assert refused.returncode == 2 and "erase needs --user ID" in refused.stderr
