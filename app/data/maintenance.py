@@ -133,13 +133,11 @@ def _swap(
         if txn is None:
             return None
         try:
-            txn.commit_transaction()
+            return txn.commit_transaction()
         except CommitFailedException as exc:
             log.info(
                 "%s of %s lost a race (attempt %d), planning again: %s", what, images.identifier, attempt, exc
             )
-            continue
-        return images.load()
     raise CommitFailedException(
         f"{what}: {SWAP_ATTEMPTS} swaps in a row lost to other writers; nothing changed"
     )
@@ -246,7 +244,8 @@ def _expire_ids(images: ImageTable, choose: Callable[[Table], set[int]]) -> tupl
     chosen: dict[str, object] = {}
 
     def change(table: Table, base: Snapshot) -> Transaction | None:
-        ids = choose(table) - {base.snapshot_id}
+        # Never a branch's or tag's head (another engine may have tagged one): its ref would dangle.
+        ids = choose(table) - {ref.snapshot_id for ref in table.metadata.refs.values()} - {base.snapshot_id}
         if not ids:
             return None
         kept = [s for s in table.snapshots() if s.snapshot_id not in ids]
@@ -322,10 +321,12 @@ def erase_user(images: ImageTable, user_id: str) -> ErasureReport:
     match = EqualTo("user_id", user_id)
 
     def change(table: Table, base: Snapshot) -> Transaction | None:
-        tasks = list(table.scan(snapshot_id=base.snapshot_id, row_filter=match).plan_files())
-        rows = _read(table, (t.file for t in tasks)).column("user_id") if tasks else pa.array([], pa.string())
-        report.rows = pc.sum(pc.equal(rows, user_id)).as_py() or 0
-        report.files_rewritten = len(tasks)
+        # Statistics only narrow the files down; each candidate is read to count what it holds.
+        tasks = table.scan(snapshot_id=base.snapshot_id, row_filter=match).plan_files()
+        held = [
+            pc.sum(pc.equal(_read(table, [t.file]).column("user_id"), user_id)).as_py() or 0 for t in tasks
+        ]
+        report.rows, report.files_rewritten = sum(held), sum(1 for n in held if n)
         if not report.rows:
             return None
         txn = table.transaction()

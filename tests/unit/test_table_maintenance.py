@@ -160,7 +160,7 @@ def test_erasing_a_user_removes_their_rows_from_the_table_its_history_and_the_di
 
     erased = cli("erase", "--user", "alice", "--storage", str(tmp_path))
     assert erased.returncode == 0, erased.stderr
-    assert "3 rows of user 'alice' deleted" in erased.stdout, erased.stdout
+    assert "3 rows of user 'alice' deleted (2 files rewritten)" in erased.stdout, erased.stdout
     assert "served traffic logs hold no user ids" in erased.stdout
 
     rows = table.scan(table.current_snapshot_id())
