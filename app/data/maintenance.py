@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.exceptions import CommitFailedException, CommitStateUnknownException
 from pyiceberg.expressions import AlwaysTrue, EqualTo
 from pyiceberg.io import FileIO
 from pyiceberg.io.pyarrow import ArrowScan
@@ -192,6 +192,8 @@ def compact(
 
     try:
         committed = _swap(images, "compaction", change)
+    except CommitStateUnknownException:
+        raise  # the catalog may hold the commit: its files must stay
     except BaseException:
         _delete_files(images.load().io, (f.file_path for f in written))
         raise
