@@ -22,6 +22,11 @@ log = logging.getLogger(__name__)
 
 APPLICATION = "argus"
 
+UPSCALE_DELAY_S = 10.0
+"""How long a `--replicas MIN-MAX` deployment must be over its target before Serve adds replicas:
+Serve's default (30 s) leaves a burst queueing for half a minute; scaling down keeps Serve's 10
+minutes, so a short lull sheds nothing."""
+
 
 def traffic_dir(settings) -> str:
     return settings.uri("traffic")
@@ -78,7 +83,12 @@ def build_app(args: dict) -> serve.Application:
     else:  # a replica's share is a full batch: more ongoing requests than that add a replica
         target = kwargs.get("max_batch_size", ServeConfig.max_batch_size)
         deployment = ArgusModel.options(
-            autoscaling_config={"min_replicas": low, "max_replicas": high, "target_ongoing_requests": target}
+            autoscaling_config={
+                "min_replicas": low,
+                "max_replicas": high,
+                "target_ongoing_requests": target,
+                "upscale_delay_s": UPSCALE_DELAY_S,
+            }
         )
     if gpus := float(options.get("num_gpus") or 0):  # a RayService sets its deployment's options instead
         deployment = deployment.options(ray_actor_options={**ArgusModel.ray_actor_options, "num_gpus": gpus})
