@@ -98,7 +98,9 @@ def _erase(settings: Settings, args, cfg) -> int:
     from app.data.maintenance import erase_user
     from app.data.table import ImageTable
 
-    report = erase_user(ImageTable.at(settings.storage, settings.catalog, settings.table), cfg.user)
+    # A storage without the table holds none of the user's rows: say so rather than create one.
+    images = ImageTable.at(settings.storage, settings.catalog, settings.table, create=False)
+    report = erase_user(images, cfg.user)
     print(report)
     print(report.outside_the_table())
     return 0

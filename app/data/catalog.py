@@ -81,8 +81,9 @@ def warehouse_uri(storage: str) -> str:
     return f"{storage.rstrip('/')}/warehouse"
 
 
-def open_catalog(uri: str, warehouse: str) -> Catalog:
-    """The `argus` catalog at `uri`: REST for http(s), else a SQL catalog on that SQLAlchemy URI."""
+def open_catalog(uri: str, warehouse: str, create: bool = True) -> Catalog:
+    """The `argus` catalog at `uri`: REST for http(s), else a SQL catalog on that SQLAlchemy URI.
+    Without `create`, a SQLite file that is not there is a ConfigError, not a new empty catalog."""
     if uri.startswith(("http://", "https://")):
         from pyiceberg.catalog.rest import RestCatalog
 
@@ -90,7 +91,12 @@ def open_catalog(uri: str, warehouse: str) -> Catalog:
     from pyiceberg.catalog.sql import SqlCatalog
 
     if uri.startswith("sqlite:///"):  # SQLite creates the file, not the folder it goes in
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        path = Path(uri.removeprefix("sqlite:///"))
+        if not create and not path.exists():
+            raise ConfigError(
+                f"there is no catalog at {uri} (--storage or --catalog names another); nothing created"
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
     try:
         return SqlCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse)
     except Exception as exc:  # a URI SQLAlchemy cannot parse or whose driver is absent
@@ -128,15 +134,21 @@ def partition_spec() -> PartitionSpec:
     )
 
 
-def create_or_load(catalog: Catalog, identifier: str, *, source: bool, features: bool) -> Table:
-    """The table, created (with its namespace) if it does not exist yet."""
+def create_or_load(
+    catalog: Catalog, identifier: str, *, source: bool, features: bool, create: bool = True
+) -> Table:
+    """The table, created (with its namespace) if it does not exist yet; without `create`, a
+    missing table is a ConfigError and nothing is written."""
     namespace = Catalog.namespace_from(identifier)
     if not namespace:
         raise ConfigError(f"--table {identifier}: expected namespace.table")
     try:  # load first: creating writes a metadata file even when the table turns out to exist
         return catalog.load_table(identifier)
     except NoSuchTableError:
-        pass
+        if not create:
+            raise ConfigError(
+                f"there is no table {identifier} in the catalog (--table names another); nothing created"
+            ) from None
     catalog.create_namespace_if_not_exists(namespace)
     properties = {FORMAT_KEY: str(FORMAT), **TABLE_PROPERTIES}
     return catalog.create_table_if_not_exists(

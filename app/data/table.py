@@ -76,20 +76,22 @@ class ImageTable:
         *,
         source: bool = False,
         features: bool = False,
+        create: bool = True,
     ):
         """Open the table `identifier` in the catalog at URI `catalog` (warehouse `warehouse`),
-        creating it if absent, with `source` and `features` columns if asked. A table a newer
-        Argus wrote is refused (ConfigError) and left as it is."""
+        creating it if absent (unless not `create`: ConfigError), with `source` and `features`
+        columns if asked. A table a newer Argus wrote is refused (ConfigError) and left as it is."""
         self.catalog_uri, self.warehouse, self.identifier = catalog, warehouse, identifier
-        self.catalog = open_catalog(catalog, warehouse)
-        check_format(create_or_load(self.catalog, identifier, source=source, features=features))
+        self.catalog = open_catalog(catalog, warehouse, create=create)
+        table = create_or_load(self.catalog, identifier, source=source, features=features, create=create)
+        check_format(table)
         self.load()  # an older table gets PyIceberg's retries turned off now, not mid-commit
 
     @classmethod
-    def at(cls, storage: str, catalog: str | None = None, table: str | None = None, **columns) -> ImageTable:
+    def at(cls, storage: str, catalog: str | None = None, table: str | None = None, **options) -> ImageTable:
         """The table of a storage root: catalog `catalog` (default: SQLite under a local
         `storage`), warehouse `<storage>/warehouse`, table `table` (default argus.behavior_images)."""
-        return cls(catalog_uri(storage, catalog), warehouse_uri(storage), table or DEFAULT_TABLE, **columns)
+        return cls(catalog_uri(storage, catalog), warehouse_uri(storage), table or DEFAULT_TABLE, **options)
 
     def __reduce__(self):
         return ImageTable, (self.catalog_uri, self.warehouse, self.identifier)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pyiceberg.catalog.sql import SqlCatalog
 
 from app.data.catalog import METADATA_VERSIONS_KEPT
 from app.data.maintenance import compact, expire, remove_orphans
@@ -182,3 +183,16 @@ def test_erasing_a_user_removes_their_rows_from_the_table_its_history_and_the_di
     assert again.returncode == 0 and "no rows of user 'alice'" in again.stdout, again.stdout
     refused = cli("erase", "--storage", str(tmp_path))
     assert refused.returncode == 2 and "erase needs --user ID" in refused.stderr
+
+
+def test_erase_where_there_is_no_table_refuses_and_creates_nothing(tmp_path, cli):
+    empty = tmp_path / "empty"
+    refused = cli("erase", "--user", "alice", "--storage", str(empty))
+    assert refused.returncode == 2 and "there is no catalog at" in refused.stderr, refused.stderr
+    assert not empty.exists()
+
+    ImageTable.at(str(tmp_path))  # a catalog holding argus.behavior_images, not the table asked for
+    refused = cli("erase", "--user", "alice", "--storage", str(tmp_path), "--table", "argus.other")
+    assert refused.returncode == 2 and "no table argus.other" in refused.stderr, refused.stderr
+    plain = SqlCatalog("argus", uri=f"sqlite:///{tmp_path / 'catalog.db'}", warehouse=f"file://{tmp_path}")
+    assert not plain.table_exists("argus.other")
