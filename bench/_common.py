@@ -44,6 +44,7 @@ def local_ray(num_cpus: int = 2) -> Iterator[None]:
     for attempt in range(3):
         try:
             ray.init(
+                address="local",  # a Ray of its own, never the cluster a `ray start` recorded
                 num_cpus=num_cpus,
                 include_dashboard=False,
                 configure_logging=False,
