@@ -161,6 +161,12 @@ def _federate(settings: Settings, args, cfg) -> int:
     return 0
 
 
+def _device(settings: Settings, args, cfg) -> int:
+    from app.fl.device import run_device
+
+    return run_device(cfg)
+
+
 def _serve(settings: Settings, args, cfg, policy) -> int:
     from app import serve
     from app.cluster import ray_session
@@ -247,10 +253,16 @@ COMMANDS = {
         ("app.config:TrainConfig",),
     ),
     "federate": Command(
-        "federated rounds with clients as Ray actors → a new registered version",
+        "federated rounds (clients as Ray actors, or devices over TLS) → a new registered version",
         _federate,
         options.add_federate,
         ("app.fl.config:FederateConfig",),
+    ),
+    "device": Command(
+        "a federated-learning device: trains on --data-dir DIR/<label>/* and talks to a SuperLink over TLS",
+        _device,
+        options.add_device,
+        ("app.fl.device:DeviceConfig",),
     ),
     "serve": Command(
         "deploy the Ray Serve application on the model alias",

@@ -178,6 +178,46 @@ def add_federate(parser) -> None:
         "--val-fraction", type=float, help="newest share by event time held out (default 0.2)"
     )
     add_promote_if_better(parser)
+    parser.add_argument(
+        "--engine",
+        choices=("simulation", "deployment"),
+        help="simulation: clients are Ray actors over the snapshots (default); deployment: devices "
+        "(`argus device`) train on their own images and reach a Flower SuperLink over TLS",
+    )
+    parser.add_argument("--superlink", help="deployment: the SuperLink's HOST:PORT")
+    parser.add_argument(
+        "--root-certificates", help="deployment: the CA (PEM) that signed the SuperLink's certificate"
+    )
+    parser.add_argument(
+        "--superlink-certfile",
+        help="deployment: start a SuperLink for this run at --superlink with this certificate (PEM)",
+    )
+    parser.add_argument("--superlink-keyfile", help="deployment: that certificate's private key (PEM)")
+    parser.add_argument(
+        "--device-keys",
+        help="deployment, with a SuperLink of the run's own: a folder of device public keys (*.pub) "
+        "to register; only those devices may connect",
+    )
+
+
+def add_device(parser) -> None:
+    parser.add_argument(
+        "--data-dir", required=True, help="the device's own images: DIR/<label>/<image files>"
+    )
+    parser.add_argument("--superlink", required=True, help="the SuperLink's HOST:PORT")
+    parser.add_argument(
+        "--root-certificates",
+        required=True,
+        help="the CA (PEM) that signed the SuperLink's certificate: devices talk over TLS only",
+    )
+    parser.add_argument(
+        "--auth-key",
+        required=True,
+        help="this device's private key (OpenSSH ECDSA); its public key must be registered",
+    )
+    parser.add_argument(
+        "--max-retries", type=int, help="connection attempts before giving up (default: keep trying)"
+    )
 
 
 def add_promote_if_better(parser) -> None:

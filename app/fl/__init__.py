@@ -5,9 +5,10 @@
 `federate` splits the snapshots' labelled records by event time (`app.selection`), deals the
 users into clients (which read only records before the test slice), runs Flower rounds
 (`server_app`, updates checked by `guard`, released under DP by `privacy`) on our Ray actors
-(`grid`, running `client_app` over `task`), evaluates the global model on the test slice after
-every round (`evaluation`), checkpoints every round (`checkpoint`), logs and
-registers the result, and with `--promote-if-better` moves the alias only to a better model.
+(`grid`, running `client_app` over `task`) or, with `--engine deployment`, on devices that reach
+a Flower SuperLink over TLS (`deployment`, `device`), evaluates the global model on the test
+slice after every round (`evaluation`), checkpoints every round (`checkpoint`), logs and registers
+the result, and with `--promote-if-better` moves the alias only to a better model.
 Design and reasons: docs/federated.md.
 """
 
@@ -23,6 +24,7 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 from flwr.app import Context, RecordDict
+from flwr.serverapp import Grid
 from torch import nn
 
 from app import model as core
@@ -114,13 +116,24 @@ def central_test(
 
 
 def federate(
-    settings: Settings, cfg: FederateConfig, *, before_promotion: Callable[[], None] | None = None
+    settings: Settings,
+    cfg: FederateConfig,
+    *,
+    before_promotion: Callable[[], None] | None = None,
+    grid: Grid | None = None,
 ) -> FederateReport:
-    """`python -m app federate`: rounds of Flower FL on Ray actors → checkpoints → a registered version
-    → with `promote_if_better`, the alias moved only to a better model.
+    """`python -m app federate`: rounds of Flower FL → checkpoints → a registered version → with
+    `promote_if_better`, the alias moved only to a better model.
 
-    `before_promotion` runs just before the alias may move (the demo starts its traffic there, so a
-    rollout happens under it)."""
+    The simulation engine runs the clients on Ray actors over the snapshots; the deployment engine
+    hands the run to a SuperLink (`deployment.federate_on_devices`), whose ServerApp calls this
+    again with `grid`, its devices. `before_promotion` runs just before the alias may move (the
+    demo starts its traffic there, so a rollout happens under it)."""
+    on_devices = cfg.engine == "deployment"
+    if on_devices and grid is None:
+        from app.fl.deployment import federate_on_devices
+
+        return federate_on_devices(settings, cfg)
     snapshots = SnapshotStore.at(settings.uri())
     try:
         manifests = snapshots.select(settings.topic, settings.image_size, cfg.snapshots)
@@ -132,7 +145,7 @@ def federate(
     snapshot_ids = [m.snapshot_id for m in manifests]
     uris = [snapshots.uri(s) for s in snapshot_ids]
     users = len(set(read_rows(uris, ["key"]).column("key").drop_null().to_pylist()))
-    if cfg.clients > users:
+    if not on_devices and cfg.clients > users:
         raise ConfigError(
             f"--clients {cfg.clients} but the snapshots hold {users} users; a client is at least one user"
         )
@@ -218,13 +231,23 @@ def federate(
             f"delta={cfg.dp_delta:g}); raise --dp-noise or the budget"
         )
     # Node i + 1 runs client i (RayGrid numbers its nodes so): the server's own count of each
-    # client's rows weighs its update, whatever the client claims.
-    sizes = partition_sizes(
-        tuple(uris), cfg.clients, cfg.seed, tuple(classes), split.val_from, split.test_from
-    )
-    examples = {partition + 1: size for partition, size in enumerate(sizes)}
+    # client's rows weighs its update, whatever the client claims. A device's images are its own:
+    # there the guard bounds what it claims.
+    examples = None
+    if not on_devices:
+        sizes = partition_sizes(
+            tuple(uris), cfg.clients, cfg.seed, tuple(classes), split.val_from, split.test_from
+        )
+        examples = {partition + 1: size for partition, size in enumerate(sizes)}
 
-    if fed.start_round < cfg.rounds:
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    if fed.start_round < cfg.rounds and grid is not None:
+        with _quiet_flower():
+            build_server_app(fed, build_strategy(cfg, examples), evaluate_fn=central)(
+                grid=grid, context=context
+            )
+        wire, num_actors = dict(grid.wire), 0
+    elif fed.start_round < cfg.rounds:
         with ray_session(settings), _quiet_flower():
             stamp_task_identity()  # the strategies create their messages as a running ServerApp would
             grid = RayGrid(
@@ -236,7 +259,7 @@ def federate(
             try:
                 build_server_app(fed, build_strategy(cfg, examples), evaluate_fn=central)(
                     grid=grid,
-                    context=Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+                    context=context,
                 )
             finally:
                 grid.close()
@@ -332,7 +355,7 @@ def _finish(
             "split_test_from": split.test_from,
             "split_test_records": split.test,
         },
-        tags={"training_kind": "federated", "fl.checkpoints": fed.checkpoint_uri},
+        tags={"training_kind": "federated", "fl.engine": cfg.engine, "fl.checkpoints": fed.checkpoint_uri},
         inputs=[(SnapshotStore.at(settings.uri()).uri(m.snapshot_id), m.lineage()) for m in manifests],
     )
     card = registry.ModelCard(

@@ -1,5 +1,6 @@
-"""The Flower `ClientApp` a client actor runs: train and evaluate on one client's users, keyed by
-Flower's simulation node config (`partition-id`, `num-partitions`), with test fault injection."""
+"""The Flower `ClientApp` of both engines: train and evaluate on one client's data. A client actor
+of the simulation finds its users by Flower's simulation node config (`partition-id`,
+`num-partitions`), with test fault injection; a device (`argus device`) its folder (`data-dir`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY
 from torch import nn
 
 from app import model as core
+from app.fl.device import DATA_DIR_KEY, load_device_data
 from app.fl.task import ClientData, encode_update, load_arrays, load_client_data, local_evaluate, local_train
 
 log = logging.getLogger(__name__)
@@ -32,20 +34,26 @@ _DATA_CACHE_SIZE = 8
 
 def _client_state(message: Message, context: Context) -> tuple[int, ConfigRecord, nn.Module, ClientData]:
     config = message.content["config"]
-    partition = int(context.node_config[PARTITION_ID_KEY])
-    key = (
-        tuple(config["snapshots"]),
-        partition,
-        int(context.node_config[NUM_PARTITIONS_KEY]),
-        int(config["seed"]),
-        tuple(config["classes"]),
-        int(config["val-from"]),
-        int(config["test-from"]),
-    )
+    if DATA_DIR_KEY in context.node_config:  # a device (`argus device`): its own images
+        partition = int(context.node_id) % 1_000_003  # varies the devices' shuffles
+        key = (str(context.node_config[DATA_DIR_KEY]), tuple(config["classes"]), int(config["image-size"]))
+        load = load_device_data
+    else:  # a simulated client: its users' rows of the central snapshots
+        partition = int(context.node_config[PARTITION_ID_KEY])
+        key = (
+            tuple(config["snapshots"]),
+            partition,
+            int(context.node_config[NUM_PARTITIONS_KEY]),
+            int(config["seed"]),
+            tuple(config["classes"]),
+            int(config["val-from"]),
+            int(config["test-from"]),
+        )
+        load = load_client_data
     if key in _DATA:
         _DATA.move_to_end(key)
     else:
-        _DATA[key] = load_client_data(*key)
+        _DATA[key] = load(*key)
         while len(_DATA) > _DATA_CACHE_SIZE:
             _DATA.popitem(last=False)
     model_key = (str(config["arch"]), len(config["classes"]))

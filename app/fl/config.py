@@ -16,6 +16,7 @@ STRATEGIES = ("fedavg", "fedprox", "fedmedian", "fedtrimmedavg", "krum")
 MEAN_STRATEGIES = ("fedavg", "fedprox")
 FAULTS = ("nan", "scale", "crash", "slow")
 CLIENT_SAMPLING = ("fixed", "poisson")
+ENGINES = ("simulation", "deployment")
 AUTO_INIT = "auto"
 FRESH_LR = 0.05
 FINE_TUNE_LR = 0.002
@@ -95,6 +96,20 @@ class FederateConfig:
     """Rerunning with the same name resumes from its last complete round."""
     inject_faults: tuple[str, ...] = ()
     """Fault injection for tests, `CLIENT:KIND` with KIND in nan, scale, crash, slow."""
+    engine: str = "simulation"
+    """simulation: clients are Ray actors over the central snapshots; deployment: devices
+    (`argus device`) train on their own images and reach a Flower SuperLink over TLS."""
+    superlink: str | None = None
+    """Deployment: the SuperLink's HOST:PORT (its Fleet and Control APIs share one TLS port)."""
+    root_certificates: str | None = None
+    """Deployment: the CA certificate (PEM) that signed the SuperLink's certificate."""
+    superlink_certfile: str | None = None
+    """Deployment: with `superlink_keyfile`, start a SuperLink for the run, bound to `superlink`,
+    with this certificate (PEM), rather than join a running one."""
+    superlink_keyfile: str | None = None
+    device_keys: str | None = None
+    """Deployment, starting a SuperLink: a folder of the devices' public keys (`*.pub`, OpenSSH
+    ECDSA) to register; only registered devices may connect."""
 
     def __post_init__(self) -> None:
         def require(ok: bool, message: str) -> None:
@@ -168,6 +183,23 @@ class FederateConfig:
         require(
             self.run_name is None or bool(re.fullmatch(r"[A-Za-z0-9._-]+", self.run_name)),
             "--run-name may hold only letters, digits, '.', '_' and '-'",
+        )
+        require(self.engine in ENGINES, f"--engine must be simulation or deployment, got {self.engine!r}")
+        if self.engine == "deployment":
+            require(
+                bool(self.superlink) and bool(self.root_certificates),
+                "--engine deployment needs --superlink HOST:PORT and --root-certificates CA.pem "
+                "(devices and the server reach the SuperLink over TLS only)",
+            )
+            require(not self.inject_faults, "fault injection is for the simulation engine")
+        require(
+            (self.superlink_certfile is None) == (self.superlink_keyfile is None),
+            "--superlink-certfile and --superlink-keyfile go together (a SuperLink of the run's own)",
+        )
+        require(
+            self.device_keys is None or self.superlink_certfile is not None,
+            "--device-keys registers devices with a SuperLink this run starts: it needs "
+            "--superlink-certfile and --superlink-keyfile",
         )
         for spec in self.inject_faults:
             client, _, kind = spec.partition(":")

@@ -108,7 +108,7 @@ def reply_schema(message: Message) -> str:
     )
 
 
-def _array_bytes(content: RecordDict) -> int:
+def array_bytes(content: RecordDict) -> int:
     return sum(record.count_bytes() for record in content.array_records.values())
 
 
@@ -237,7 +237,7 @@ class RayGrid(Grid):
             if id(message.content) not in refs:
                 refs[id(message.content)] = ray.put(message.content)
             self._queue.append((message, refs[id(message.content)]))
-            self.last.bytes_down += _array_bytes(message.content)
+            self.last.bytes_down += array_bytes(message.content)
             ids.append(message.metadata.message_id)
         self._pump(0)
         return ids
@@ -312,7 +312,7 @@ class RayGrid(Grid):
                 self.last.failed += 1
             else:
                 self.last.replied += 1
-                self.last.bytes_up += _array_bytes(reply.content)
+                self.last.bytes_up += array_bytes(reply.content)
                 self.wire[reply_schema(reply)] += 1
             assign_message_id(reply, uuid.uuid4().hex)
             self._done[message.metadata.message_id] = reply

@@ -170,7 +170,9 @@ class Federation:
         config = {
             "arch": self.fingerprint["arch"],
             "classes": list(self.classes),
-            "snapshots": list(self.snapshot_uris),
+            "image-size": int(self.fingerprint["image_size"]),
+            # Devices train on their own images: where the central data lives is not theirs to know.
+            "snapshots": list(self.snapshot_uris) if cfg.engine == "simulation" else [],
             "seed": cfg.seed,
             "val-from": self.val_from,
             "test-from": self.test_from,
@@ -214,7 +216,8 @@ def build_server_app(
 
     `evaluate_fn` is the hook of Flower's `Strategy.start`, called where it calls it (after each
     round's client evaluation; the round-0 call is left out, since rows are rounds). Its metrics
-    join the round's row. The grid must be a `RayGrid`: each row reads its `last` traffic."""
+    join the round's row. The grid must count its traffic (`RayGrid`, `DeviceGrid`): each row
+    reads its `last`."""
     server_app = ServerApp()
     cfg = fed.cfg
 

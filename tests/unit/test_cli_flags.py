@@ -35,11 +35,22 @@ SPECIAL = {
     "replicas": ("2-4", "2-4"),
     "snapshots": ("snap-a,snap-b", ("snap-a", "snap-b")),
     "strategy": ("fedmedian", "fedmedian"),
+    "superlink": ("127.0.0.2:7", "127.0.0.2:7"),
     "update_dtype": ("fp32", "fp32"),
     "table": ("lake.images", "lake.images"),
 }
 # Flags only valid together with another, or instead of the baseline.
-TOGETHER = {"dp_noise": ["--dp-clip", "1.0"], "dp_max_epsilon": ["--dp-clip", "1.0", "--dp-noise", "1.0"]}
+DEPLOYMENT = ["--engine", "deployment", "--superlink", "127.0.0.1:9", "--root-certificates", "ca.pem"]
+TOGETHER = {
+    "dp_noise": ["--dp-clip", "1.0"],
+    "dp_max_epsilon": ["--dp-clip", "1.0", "--dp-noise", "1.0"],
+    "engine": DEPLOYMENT[2:],
+    "superlink_certfile": ["--superlink-keyfile", "key.pem"],
+    "superlink_keyfile": ["--superlink-certfile", "cert.pem"],
+    "device_keys": ["--superlink-certfile", "cert.pem", "--superlink-keyfile", "key.pem"],
+}
+# Flags naming files or folders that must exist (`argus device` checks its own at the edge).
+EXISTING_PATHS = {"from_dir", "data_dir", "root_certificates", "auth_key"}
 INSTEAD_OF_BASELINE = {"from_dir"}  # produce takes exactly one of --synthetic and --from-dir
 
 
@@ -62,6 +73,29 @@ def built(command: str, argv: list[str]) -> list:
     return [settings, *configs]
 
 
+def existing_path(directory, dest: str) -> str:
+    """A folder of one labelled image for the folder flags, an empty file for the others."""
+    if dest in ("from_dir", "data_dir"):
+        (directory / dest / "label").mkdir(parents=True, exist_ok=True)
+        (directory / dest / "label" / "0.png").write_bytes(b"")
+    else:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / dest).touch()
+    return str(directory / dest)
+
+
+def baseline(command: str, tmp_path) -> list[str]:
+    if command != "device":
+        return BASELINE.get(command, [])
+    paths = {
+        dest: existing_path(tmp_path / "baseline", dest) for dest in sorted(EXISTING_PATHS - {"from_dir"})
+    }
+    return [
+        "--data-dir", paths["data_dir"], "--superlink", "127.0.0.1:9",
+        "--root-certificates", paths["root_certificates"], "--auth-key", paths["auth_key"],
+    ]  # fmt: skip
+
+
 def value_for(action: argparse.Action, default, tmp_path) -> tuple[list[str], object]:
     """Arguments giving `action` a valid value other than `default`, and the field value expected."""
     flag = next(o for o in action.option_strings if o.startswith("--"))
@@ -78,8 +112,9 @@ def value_for(action: argparse.Action, default, tmp_path) -> tuple[list[str], ob
         path = tmp_path / "tokens.txt"
         path.write_text("a-token-of-at-least-some-length\n")
         return [flag, str(path)], str(path)
-    if action.dest == "from_dir":
-        return [flag, str(tmp_path)], str(tmp_path)
+    if action.dest in EXISTING_PATHS:
+        path = existing_path(tmp_path / "flag", action.dest)
+        return [flag, path], path
     if action.choices:
         value = next(c for c in action.choices if c != default)
     elif action.type is int:
@@ -96,8 +131,8 @@ def test_every_flag_reaches_its_config_field(command, action, tmp_path, monkeypa
     for name in SETTINGS_ENV:  # only the flag under test may set anything
         monkeypatch.delenv(name, raising=False)
     reason = NOT_A_FIELD.get(action.dest) or NOT_A_FIELD.get(f"{command}:{action.dest}")
-    baseline = BASELINE.get(command, [])
-    defaults = [c for c in built(command, baseline) if hasattr(c, action.dest)]
+    given_baseline = baseline(command, tmp_path)
+    defaults = [c for c in built(command, given_baseline) if hasattr(c, action.dest)]
     if reason:
         assert not defaults, f"{action.dest} is a field of {defaults} after all: drop it from NOT_A_FIELD"
         return
@@ -108,7 +143,7 @@ def test_every_flag_reaches_its_config_field(command, action, tmp_path, monkeypa
     default = getattr(defaults[0], action.dest)
     argv, expected = value_for(action, default, tmp_path)
     assert expected != default, f"pick another value for {action.dest}: {expected!r} is its default"
-    given = [] if action.dest in INSTEAD_OF_BASELINE else baseline
+    given = [] if action.dest in INSTEAD_OF_BASELINE else given_baseline
     configs = [
         c for c in built(command, [*given, *TOGETHER.get(action.dest, []), *argv]) if hasattr(c, action.dest)
     ]

@@ -7,18 +7,13 @@ from __future__ import annotations
 import uuid
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from flwr.app import Context, RecordDict, UserConfig
 from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY
 
 from app import model as core
-from app import storage
 from app.config import Settings
-from app.data.manifest import DataFile, WriteSpec, WriteStats, build_manifest
-from app.data.snapshot import SnapshotStore
 from app.errors import ConfigError
 from app.fl import FederateConfig, central_test
 from app.fl import client_app as client_module
@@ -26,6 +21,8 @@ from app.fl.grid import RoundTraffic, assign_message_id, stamp_task_identity
 from app.fl.server_app import Federation, build_server_app, build_strategy
 from app.fl.task import load_client_data, model_arrays
 from app.selection import TEST, VALIDATION, EventTimeSplit
+
+from snapshots import commit_snapshot
 
 stamp_task_identity()  # as a running ServerApp has
 
@@ -35,40 +32,14 @@ RECORDS, USERS, SIZE = 120, 12, 16
 
 def _snapshot(tmp_path) -> tuple[str, np.ndarray]:
     """A committed snapshot whose record i has every pixel equal to i, so any image names its record."""
-    from ray.data.extensions import ArrowTensorArray
-
     settings = Settings(storage=str(tmp_path / "data"), topic="t", image_size=SIZE, model="cnn")
     event_times = 1_000_000 + 1_000 * np.arange(RECORDS, dtype=np.int64)
     images = np.broadcast_to(
         np.arange(RECORDS, dtype=np.uint8).reshape(-1, 1, 1, 1), (RECORDS, 3, SIZE, SIZE)
     ).copy()
-    table = pa.table(
-        {
-            "partition": pa.array([0] * RECORDS, pa.int32()),
-            "offset": pa.array(range(RECORDS), pa.int64()),
-            "key": [f"user-{i % USERS}" for i in range(RECORDS)],
-            "label": [CLASSES[i % 3] for i in range(RECORDS)],
-            "event_time": pa.array(event_times),
-            "image": ArrowTensorArray.from_numpy(images),
-        }
-    )
-    buffer = pa.BufferOutputStream()
-    pq.write_table(table, buffer)
-    data = buffer.getvalue().to_pybytes()
-    folder = settings.local_storage_path / "snapshots" / "snap-1" / "event_date=1970-01-01"
-    folder.mkdir(parents=True)
-    (folder / "part-0.parquet").write_bytes(data)
-    stats = WriteStats()
-    for offset in range(RECORDS):
-        stats.partition(0).add(offset, dead_letter=False)
-    stats.labels.update(table.column("label").to_pylist())
-    stats.add_event_times(int(event_times.min()), int(event_times.max()))
-    stats.files.append(DataFile("event_date=1970-01-01/part-0.parquet", len(data), storage.sha256(data)))
-    spec = WriteSpec(topic="t", dlq_topic="t.dlq", image_size=SIZE, classes=None, allowed_lateness_s=60.0)
-    manifest = build_manifest(spec, "snap-1", {0: (0, RECORDS)}, {}, stats)
-    snapshots = SnapshotStore.at(settings.uri())
-    assert snapshots.commit(manifest)
-    return snapshots.uri("snap-1"), event_times
+    keys = [f"user-{i % USERS}" for i in range(RECORDS)]
+    labels = [CLASSES[i % 3] for i in range(RECORDS)]
+    return commit_snapshot(settings, keys, labels, event_times, images), event_times
 
 
 def _ids(images: torch.Tensor) -> set[int]:
@@ -139,7 +110,7 @@ def test_the_server_judges_every_round_on_exactly_the_test_slice_that_no_client_
         classes=CLASSES,
         snapshot_uris=[uri],
         checkpoint_uri=str(tmp_path / "checkpoints"),
-        fingerprint={"arch": "cnn"},
+        fingerprint={"arch": "cnn", "image_size": SIZE},
         val_from=split.val_from,
         test_from=split.test_from,
     )
