@@ -28,6 +28,13 @@ written once under /tmp/argus-bench-fl-u8.
    (default 10: one seed moves either side by ±0.1 here, so 3 cannot resolve the 1 % goal).
    Goal ≥ 0.99×. `--variant augment=none` (repeatable) adds an Argus row with those
    FederateConfig overrides, to find what costs accuracy.
+5. Deployment (#27). The timing snapshot's first `--devices` clients (3) as devices: each
+   client's rows as PNG files in a folder of its own (`DIR/<label>/*`), one `argus device` process
+   each, a SuperLink with TLS and device keys started by `federate --engine deployment`; against
+   the simulation on 2 Ray actors with the same clients, seed and rounds. Round time: the fastest of
+   rounds 2.., goal ≤ 1.5×. Metrics side by side: a device validates on every fifth of its images,
+   not on the simulation's event-time slice, so its rows split differently and the metrics are
+   near, not equal (the difference is printed).
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from _common import ROOT, alternate, goal_line, median_of, print_table
 
 STORAGE = Path("/tmp/argus-bench-fl-u8")  # -u8: uint8 pixel snapshots, not the old floats
 TOPIC, SNAPSHOT, SIZE = "bench-fl", "snap-bench-fl", 32
-TIME_GOAL, MEMORY_GOAL = 1.2, 1.5
+TIME_GOAL, MEMORY_GOAL, DEPLOYMENT_GOAL = 1.2, 1.5, 1.5
 
 
 def make_snapshot(records: int, users: int) -> None:
@@ -502,6 +509,158 @@ def timing_part(args) -> list[str]:
     return goals
 
 
+# ---------------------------------------------------------------- 5. deployment vs simulation
+
+
+def write_device_folders(cfg, root: Path) -> list[Path]:
+    """Client i's rows (training and validation, as the simulation deals them) as PNG files under
+    root/device<i>/<label>/, the layout `argus device` reads."""
+    import torch
+    from PIL import Image
+
+    from app import model as core
+    from app.data.snapshot import SnapshotStore
+    from app.fl import central_test
+    from app.fl.task import load_client_data
+
+    snapshots = SnapshotStore.at(settings().uri())
+    classes = tuple(snapshots.read_manifest(SNAPSHOT).classes)
+    uris = (snapshots.uri(SNAPSHOT),)
+    model = core.build_model("cnn", len(classes))
+    split, _ = central_test(list(uris), list(classes), cfg.val_fraction, model, torch.device("cpu"))
+    folders = []
+    for client in range(cfg.clients):
+        data = load_client_data(uris, client, cfg.clients, cfg.seed, classes, split.val_from, split.test_from)
+        folder = root / f"device{client}"
+        pixels = torch.cat([data.train_x, data.val_x]).permute(0, 2, 3, 1).numpy()
+        for i, (image, label) in enumerate(zip(pixels, torch.cat([data.train_y, data.val_y]).tolist())):
+            (folder / classes[label]).mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image).save(folder / classes[label] / f"{i:05d}.png")
+        folders.append(folder)
+    return folders
+
+
+def on_devices(cfg, folders: list[Path], tmp: Path):
+    """`federate --engine deployment` (a SuperLink of its own, the devices' keys registered) with
+    one `argus device` process per folder; its report."""
+    import threading
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from app.fl import federate
+    from app.fl.superlink import FlowerControl, stop_tree
+    from app.net import free_port
+
+    from conftest import device_keys, make_tls_files
+
+    tls = make_tls_files(tmp / "tls")
+    keys = device_keys(tmp / "keys", [f"device{i}" for i in range(len(folders))])
+    address = f"127.0.0.1:{free_port()}"
+    cfg = dataclasses.replace(
+        cfg,
+        engine="deployment",
+        superlink=address,
+        root_certificates=str(tls["ca"]),
+        superlink_certfile=str(tls["server_cert"]),
+        superlink_keyfile=str(tls["server_key"]),
+        device_keys=str(tmp / "keys"),
+        run_name=f"bench-devices-{time.time_ns()}",
+    )
+    outcome = {}
+
+    def run():
+        try:
+            outcome["report"] = federate(settings(), cfg)
+        except Exception as exc:  # raised below, in the bench's thread
+            outcome["error"] = exc
+
+    server = threading.Thread(target=run, daemon=True)
+    server.start()
+    control = FlowerControl(address, str(tls["ca"]), tmp / "cli")
+    deadline = time.monotonic() + 300
+    while True:  # the SuperLink is up with every key registered
+        if not server.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the SuperLink did not register the devices: {outcome}")
+        try:
+            if len(control.nodes()) == len(folders):
+                break
+        except RuntimeError:
+            pass
+        time.sleep(1)
+    devices = []
+    try:
+        for i, folder in enumerate(folders):
+            log = (tmp / f"device{i}.log").open("w")
+            devices.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "app",
+                        "device",
+                        "--data-dir",
+                        str(folder),
+                        "--superlink",
+                        address,
+                        "--root-certificates",
+                        str(tls["ca"]),
+                        "--auth-key",
+                        str(keys[f"device{i}"]),
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                    start_new_session=True,
+                )  # fmt: skip
+            )
+        server.join()
+    finally:
+        for device in devices:
+            stop_tree(device)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["report"]
+
+
+def deployment_part(args) -> list[str]:
+    make_snapshot(args.records, args.users)
+    from app.fl import FederateConfig, federate
+
+    cfg = FederateConfig(
+        rounds=args.rounds,
+        clients=args.devices,
+        clients_per_round=args.devices,
+        local_epochs=1,
+        batch_size=32,
+        augment="none",
+        init_from=None,
+        num_cpus_per_client=1.0,
+        seed=1,
+    )
+    with common.scratch_dir("argus-bench-fl-devices-") as tmp:
+        folders = write_device_folders(cfg, tmp / "folders")
+
+        def simulation():
+            with common.local_ray(num_cpus=2):
+                return federate(settings(), dataclasses.replace(cfg, run_name=f"bench-sim-{time.time_ns()}"))
+
+        reports = {"simulation": simulation(), "deployment": on_devices(cfg, folders, tmp)}
+    rows, steady = [], {}
+    for engine, report in reports.items():
+        seconds = [row["round_seconds"] for row in report.history]
+        steady[engine] = min(seconds[1:])
+        metrics = report.metrics
+        rows.append([engine, seconds[0], steady[engine], metrics["test_accuracy"], metrics["val_accuracy"]])
+    print_table(
+        f"deployment vs simulation, {args.devices} clients all training, {args.rounds} rounds, seed 1",
+        ["engine", "first round s", "fastest later round s", "test-slice accuracy", "client val accuracy"],
+        rows,
+    )
+    gap = rows[1][3] - rows[0][3]
+    print(f"  test-slice accuracy, deployment - simulation: {gap:+.3f} (devices split their own validation)")
+    ratio = steady["deployment"] / steady["simulation"]
+    return [goal_line("steady round, devices vs simulation", ratio, DEPLOYMENT_GOAL, higher_is_better=False)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -517,6 +676,8 @@ def main() -> int:
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--skip-fine-tune", action="store_true")
+    parser.add_argument("--skip-deployment", action="store_true")
+    parser.add_argument("--devices", type=int, default=3, help="devices (processes) in the deployment run")
     parser.add_argument(
         "--recipe",
         action="append",
@@ -563,6 +724,8 @@ def main() -> int:
         goals += quality_part(args.seeds, args.variant)
     if not args.skip_fine_tune:
         goals += fine_tune_part(args.seeds, args.recipe)
+    if not args.skip_deployment:
+        goals += deployment_part(args)
     print()
     for line in goals:
         print(line)

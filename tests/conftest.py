@@ -308,6 +308,30 @@ def trained(tmp_path_factory, broker, ray_cluster):
     return Trained(settings, snapshot, train_config, report, watcher.seen)
 
 
+def device_keys(directory: Path, names: list[str]) -> dict[str, Path]:
+    """EC P-384 key pairs in OpenSSH format, as SuperNodes use: `<name>` (private), `<name>.pub`."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    directory.mkdir(parents=True)
+    keys = {}
+    for name in names:
+        key = ec.generate_private_key(ec.SECP384R1())
+        private = directory / name
+        private.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+            )
+        )
+        private.chmod(0o600)
+        public = key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+        )
+        (directory / f"{name}.pub").write_bytes(public + f" {name}\n".encode())
+        keys[name] = private
+    return keys
+
+
 def make_tls_files(directory: Path) -> dict[str, Path]:
     """A CA, a server certificate it signed for 127.0.0.1 and localhost (with its key), and an
     unrelated CA, as PEM files in `directory`: `ca`, `server_cert`, `server_key`, `wrong_ca`."""

@@ -28,34 +28,10 @@ from app.fl.task import exchanged_keys
 from app.net import free_port
 from app.transform import decode_pixels, resize_pixels
 
-from conftest import ROOT, TEST_IMAGE_SIZE, child_env, make_tls_files, run_cli
+from conftest import ROOT, TEST_IMAGE_SIZE, child_env, device_keys, make_tls_files, run_cli
 from snapshots import commit_snapshot
 
 DEVICES = 3
-
-
-def device_keys(directory: Path, names: list[str]) -> dict[str, Path]:
-    """EC P-384 key pairs in OpenSSH format, as SuperNodes use: `<name>` (private), `<name>.pub`."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    directory.mkdir(parents=True)
-    keys = {}
-    for name in names:
-        key = ec.generate_private_key(ec.SECP384R1())
-        private = directory / name
-        private.write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
-            )
-        )
-        private.chmod(0o600)
-        public = key.public_key().public_bytes(
-            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
-        )
-        (directory / f"{name}.pub").write_bytes(public + f" {name}\n".encode())
-        keys[name] = private
-    return keys
 
 
 def image_folder(directory: Path, classes: list[str], seed: int) -> Path:
