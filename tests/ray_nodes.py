@@ -127,7 +127,9 @@ class LocalRayCluster:
         node = self._start(
             name, num_cpus, [*args, f"--temp-dir={self.temp_dir}-{name}{len(self.started)}"], self.head_env
         )
-        self._wait(lambda: self._job_server_answers(), 120, "the restarted head's job server")
+        # Longer than a first start: the new GCS first reloads its tables from Redis and hears from
+        # the nodes left (twice past 120 s on a loaded host, in clean-clone runs of 2026-12-05).
+        self._wait(lambda: self._job_server_answers(), 240, "the restarted head's job server")
         return node
 
     def add_node(self, name: str, num_cpus: float, env: dict[str, str] | None = None) -> Node:
