@@ -1,8 +1,9 @@
 """Federated learning on real devices (#27): Flower's deployment runtime on 127.0.0.1. `federate
 --engine deployment` starts a SuperLink with TLS and SuperNode authentication (a CA and certificates
 made here) and registers three devices' keys; three `argus device` processes train on image folders
-of their own; a device with an unregistered key and one without TLS are refused. The server keeps
-its own central snapshot for the test slice; no broker or Ray is involved."""
+of their own; a device with an unregistered key, one without TLS and one that does not trust the
+SuperLink's certificate are refused. The server keeps its own central snapshot for the test slice;
+no broker or Ray is involved."""
 
 from __future__ import annotations
 
@@ -142,6 +143,14 @@ def test_devices_train_over_tls_and_the_server_registers_their_model(tmp_path):
         )  # fmt: skip
         assert refused.returncode == 1, refused.stderr[-3000:]
         assert "argus: device failed: Flower exit code" in refused.stderr, refused.stderr[-3000:]
+        # A device that does not trust the SuperLink's certificate never gets as far as its key.
+        untrusting = run_cli(
+            "device", "--data-dir", str(tmp_path / "device0"), "--superlink", address,
+            "--root-certificates", str(tls["wrong_ca"]), "--auth-key", str(keys["device0"]),
+            "--max-retries", "2", timeout=120,
+        )  # fmt: skip
+        assert untrusting.returncode == 1, untrusting.stderr[-3000:]
+        assert "argus: device failed:" in untrusting.stderr, untrusting.stderr[-3000:]
         # flower-supernode's own SuperExec child outlives it: wait for the SuperNode, end its group.
         plain_log = tmp_path / "plain.log"
         with plain_log.open("w") as out:
