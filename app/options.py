@@ -194,6 +194,12 @@ def add_federate(parser) -> None:
     )
     parser.add_argument("--superlink-keyfile", help="deployment: that certificate's private key (PEM)")
     parser.add_argument(
+        "--secure-aggregation",
+        action="store_true",
+        default=None,
+        help="deployment: SecAgg+, the server learns only the sum of each round's updates",
+    )
+    parser.add_argument(
         "--device-keys",
         help="deployment, with a SuperLink of the run's own: a folder of device public keys (*.pub) "
         "to register; only those devices may connect",

@@ -9,22 +9,52 @@ import logging
 import os
 import time
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app.message_type import MessageType
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.compat.common import recorddict_compat as compat
 from torch import nn
 
 from app import model as core
 from app.fl.device import DATA_DIR_KEY, load_device_data
-from app.fl.task import ClientData, encode_update, load_arrays, load_client_data, local_evaluate, local_train
+from app.fl.privacy import clip_update
+from app.fl.task import (
+    SECURE_CLIP,
+    SECURE_KEYS,
+    ClientData,
+    encode_update,
+    load_arrays,
+    load_client_data,
+    local_evaluate,
+    local_train,
+)
 
 log = logging.getLogger(__name__)
 
 CLIENT_APP = "app.fl.client_app:client_app"
 """How an actor finds the ClientApp: imported by reference, as a SuperNode loads a FAB's app."""
 
-client_app = ClientApp()
+
+def _secure_rounds(message: Message, context: Context, call_next) -> Message:
+    """Flower's SecAgg+ client side for the train messages of a secure round (`app.fl.secure`);
+    every other message as it is."""
+    if (
+        message.metadata.message_type == MessageType.TRAIN
+        and RECORD_KEY_CONFIGS in message.content.config_records
+    ):
+        return secaggplus_mod(message, context, call_next)
+    return call_next(message, context)
+
+
+client_app = ClientApp(mods=[_secure_rounds])
+SECURE_FIT_CONFIG, SECURE_FIT_PARAMETERS = "fitins.config", "fitins.parameters"
+"""Where a legacy FitIns (SecAgg+'s training message) keeps the round's config and arrays."""
 
 _MODELS: dict[tuple, nn.Module] = {}
 _DATA: collections.OrderedDict[tuple, ClientData] = collections.OrderedDict()
@@ -32,8 +62,7 @@ _DATA_CACHE_SIZE = 8
 """Client datasets an actor keeps: memory stays bounded however many clients it serves."""
 
 
-def _client_state(message: Message, context: Context) -> tuple[int, ConfigRecord, nn.Module, ClientData]:
-    config = message.content["config"]
+def _client_state(config: ConfigRecord, context: Context) -> tuple[int, ConfigRecord, nn.Module, ClientData]:
     if DATA_DIR_KEY in context.node_config:  # a device (`argus device`): its own images
         partition = int(context.node_id) % 1_000_003  # varies the devices' shuffles
         key = (str(context.node_config[DATA_DIR_KEY]), tuple(config["classes"]), int(config["image-size"]))
@@ -77,15 +106,11 @@ def _crash_after_first(batches):
         os._exit(1)
 
 
-@client_app.train()
-def client_train(message: Message, context: Context) -> Message:
-    partition, config, model, data = _client_state(message, context)
-    origin = load_arrays(model, message.content["arrays"])
-    fault = _fault(config, partition)
+def _train(model: nn.Module, data: ClientData, config: ConfigRecord, partition: int, fault: str | None):
     if fault == "slow":
         time.sleep(24 * 3600)
     seed = int(config["seed"]) * 1_000_003 + int(config["server-round"]) * 7919 + partition
-    stats = local_train(
+    return local_train(
         model,
         data,
         epochs=int(config["local-epochs"]),
@@ -97,6 +122,43 @@ def client_train(message: Message, context: Context) -> Message:
         batches_hook=_crash_after_first if fault == "crash" else None,
         device=core.local_device(),
     )
+
+
+def _secure_train(message: Message, context: Context) -> Message:
+    """A secure round's training (`app.fl.secure`): the round's arrays and config arrive as legacy
+    FitIns, the update leaves as a legacy FitRes of weight 1, clipped here under DP, for
+    `secaggplus_mod` to mask (it clears the arrays from the reply before it leaves the device)."""
+    config = message.content.config_records[SECURE_FIT_CONFIG]
+    partition, _, model, data = _client_state(config, context)
+    keys = list(config[SECURE_KEYS])
+    values = parameters_to_ndarrays(
+        compat.arrayrecord_to_parameters(
+            message.content.array_records[SECURE_FIT_PARAMETERS], keep_input=True
+        )
+    )
+    origin = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in zip(keys, values, strict=True)}
+    model.load_state_dict(origin, strict=False)
+    stats = _train(model, data, config, partition, None)
+    delta = {k: v.numpy() for k, v in encode_update(model, origin, "fp32").items()}
+    if SECURE_CLIP in config:
+        delta = clip_update(delta, float(config[SECURE_CLIP]))
+    reply = FitRes(
+        Status(Code.OK, ""),
+        ndarrays_to_parameters([np.asarray(delta[k], dtype=np.float32) for k in keys]),
+        1,  # every device weighs the same: the sum's sensitivity is the clip
+        {"train_loss": float(stats["loss"]), "train_accuracy": float(stats["accuracy"])},
+    )
+    return Message(compat.fitres_to_recorddict(reply, keep_input=True), reply_to=message)
+
+
+@client_app.train()
+def client_train(message: Message, context: Context) -> Message:
+    if SECURE_FIT_CONFIG in message.content.config_records:
+        return _secure_train(message, context)
+    partition, config, model, data = _client_state(message.content["config"], context)
+    origin = load_arrays(model, message.content["arrays"])
+    fault = _fault(config, partition)
+    stats = _train(model, data, config, partition, fault)
     update = encode_update(model, origin, str(config["update-dtype"]))
     if fault == "nan":
         update = {k: torch.full_like(v, float("nan")) for k, v in update.items()}
@@ -114,7 +176,7 @@ def client_train(message: Message, context: Context) -> Message:
 
 @client_app.evaluate()
 def client_evaluate(message: Message, context: Context) -> Message:
-    _, config, model, data = _client_state(message, context)
+    _, config, model, data = _client_state(message.content["config"], context)
     load_arrays(model, message.content["arrays"])
     result = {"loss": 0.0, "accuracy": 0.0}
     if len(data.val_y):

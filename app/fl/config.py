@@ -110,6 +110,9 @@ class FederateConfig:
     device_keys: str | None = None
     """Deployment, starting a SuperLink: a folder of the devices' public keys (`*.pub`, OpenSSH
     ECDSA) to register; only registered devices may connect."""
+    secure_aggregation: bool = False
+    """Deployment: SecAgg+ (`app.fl.secure`): the server learns only the sum of a round's updates;
+    under DP the devices clip their own updates."""
 
     def __post_init__(self) -> None:
         def require(ok: bool, message: str) -> None:
@@ -192,6 +195,17 @@ class FederateConfig:
                 "(devices and the server reach the SuperLink over TLS only)",
             )
             require(not self.inject_faults, "fault injection is for the simulation engine")
+        if self.secure_aggregation:
+            require(
+                self.engine == "deployment",
+                "--secure-aggregation is for --engine deployment (the simulation's clients hold no secrets)",
+            )
+            require(
+                self.strategy in MEAN_STRATEGIES,
+                f"--secure-aggregation gives the server only the sum of the updates: --strategy must be "
+                f"one of {', '.join(MEAN_STRATEGIES)}, not {self.strategy}",
+            )
+            require(self.clients_per_round >= 3, "--secure-aggregation needs --clients-per-round >= 3")
         require(
             (self.superlink_certfile is None) == (self.superlink_keyfile is None),
             "--superlink-certfile and --superlink-keyfile go together (a SuperLink of the run's own)",

@@ -27,6 +27,7 @@ from app.fl.checkpoint import save_checkpoint
 from app.fl.config import MEAN_STRATEGIES, FederateConfig
 from app.fl.guard import GuardedStrategy
 from app.fl.privacy import GaussianAccountant, GaussianRelease
+from app.fl.secure import secure_train
 from app.fl.task import load_arrays
 
 log = logging.getLogger(__name__)
@@ -246,10 +247,22 @@ def build_server_app(
                 messages = strategy.configure_train(
                     server_round, arrays, fed.client_config(server_round), grid
                 )
-                replies = grid.send_and_receive(messages, timeout=cfg.round_timeout_s)
-                traffic = grid.last  # the evaluate call below starts a new RoundTraffic
-                aggregated, train_metrics = strategy.aggregate_train(server_round, replies)
-                guard = strategy.last
+                if cfg.secure_aggregation:  # the server learns only the sum of the updates
+                    aggregated, train_metrics, traffic, guard = secure_train(
+                        grid,
+                        list(messages),
+                        arrays,
+                        server_round=server_round,
+                        clip=cfg.dp_clip,
+                        noise_multiplier=cfg.dp_noise,
+                        denominator=float(cfg.clients_per_round) if cfg.dp else None,
+                        timeout_s=cfg.round_timeout_s,
+                    )
+                else:
+                    replies = grid.send_and_receive(messages, timeout=cfg.round_timeout_s)
+                    traffic = grid.last  # the evaluate call below starts a new RoundTraffic
+                    aggregated, train_metrics = strategy.aggregate_train(server_round, replies)
+                    guard = strategy.last
                 if aggregated is not None:
                     arrays = _postprocess(aggregated)
                 evaluation = None

@@ -54,7 +54,7 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every live process below `pid` (read from /proc: Flower starts some in new sessions, so a
     process group does not hold them)."""
     children: dict[int, list[int]] = {}
@@ -76,7 +76,7 @@ def _descendants(pid: int) -> list[int]:
 
 def stop_tree(process: subprocess.Popen, timeout_s: float = 20.0) -> None:
     """SIGTERM `process` and its descendants, SIGKILL whatever is left after `timeout_s`."""
-    pids = [process.pid, *_descendants(process.pid)]
+    pids = [process.pid, *descendants(process.pid)]
     for pid in pids:
         try:
             os.kill(pid, signal.SIGTERM)

@@ -24,6 +24,11 @@ from app.transform import encode_labels, normalize_pixels
 
 UPDATE_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 CPU = torch.device("cpu")
+SECURE_KEYS = "array-keys"
+"""A secure round's config entry naming the exchanged arrays in order (`app.fl.secure`): legacy
+parameters carry no names."""
+SECURE_CLIP = "secure-clip"
+"""A secure round's config entry: the L2 norm each device clips its update to before masking it."""
 
 
 def partition_users(users: Iterable[str], num_partitions: int, seed: int) -> list[list[str]]:

@@ -7,6 +7,8 @@ no broker or Ray is involved."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -24,8 +26,8 @@ from app import registry
 from app.config import Settings
 from app.data import synth
 from app.fl import FederateConfig, federate
-from app.fl.superlink import FlowerControl, flower_env, flower_program
-from app.fl.task import exchanged_keys
+from app.fl.superlink import FlowerControl, descendants, flower_env, flower_program
+from app.fl.task import exchanged_keys, model_arrays
 from app.net import free_port
 from app.transform import decode_pixels, resize_pixels
 
@@ -205,3 +207,120 @@ def test_devices_train_over_tls_and_the_server_registers_their_model(tmp_path):
 
     run = mlflow.MlflowClient(settings.tracking_uri).get_run(result.run_id)
     assert run.data.tags["fl.engine"] == "deployment"
+
+
+def start_device(
+    tmp_path: Path, name: str, folder: Path, address: str, ca: Path, key: Path
+) -> subprocess.Popen:
+    log = (tmp_path / f"{name}.log").open("w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "app", "device", "--data-dir", str(folder), "--superlink", address,
+         "--root-certificates", str(ca), "--auth-key", str(key)],
+        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+        env=child_env(PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+
+
+def weights(settings: Settings, version: str) -> dict[str, np.ndarray]:
+    model = registry.load(settings.tracking_uri, settings.model_name, version).model
+    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_secure_aggregation_shows_the_server_only_the_sum_and_outlives_a_device_lost_after_key_sharing(
+    tmp_path,
+):
+    """On one SuperLink and the same three devices (so the same node ids, seeds and data), one round
+    with the server seeing each clipped update (DP clip, no noise) and one under SecAgg+ give the
+    same model within SecAgg+'s quantisation; the secure round's replies carry no update; a device
+    killed once it has shared its keys leaves the round to the other two."""
+    from app.fl.superlink import SuperLink
+
+    settings = Settings(storage=str(tmp_path / "data"), image_size=TEST_IMAGE_SIZE, model="cnn")
+    classes = central_snapshot(settings)
+    tls = make_tls_files(tmp_path / "tls")
+    keys = device_keys(tmp_path / "keys", [f"device{i}" for i in range(DEVICES)])
+    address = f"127.0.0.1:{free_port()}"
+    superlink = SuperLink(
+        address, str(tls["server_cert"]), str(tls["server_key"]), str(tls["ca"]), tmp_path / "link"
+    ).start()
+    devices = []
+    try:
+        control = FlowerControl(address, str(tls["ca"]), tmp_path / "cli")
+        for name in keys:
+            control.register(tmp_path / "keys" / f"{name}.pub")
+        for i, (name, key) in enumerate(keys.items()):
+            folder = image_folder(tmp_path / name, classes, seed=40 + i)
+            devices.append(start_device(tmp_path, name, folder, address, tls["ca"], key))
+        base = FederateConfig(
+            engine="deployment",
+            superlink=address,
+            root_certificates=str(tls["ca"]),
+            rounds=1,
+            clients=DEVICES,
+            clients_per_round=DEVICES,
+            batch_size=16,
+            update_dtype="fp32",
+            dp_clip=0.5,  # the server's clip of what it sees, the devices' own under SecAgg+
+            init_from=None,
+            round_timeout_s=60,
+        )
+        plain = federate(settings, dataclasses.replace(base, run_name="plain"))
+        secure = federate(settings, dataclasses.replace(base, run_name="secure", secure_aggregation=True))
+
+        # Killed right after it sent its share of the keys (its second train reply of the round).
+        lost = tmp_path / "device2.log"
+
+        def replies_sent() -> int:
+            return lost.read_text().count("Sent successfully")
+
+        before = replies_sent()
+        outcome: dict = {}
+        lost_run = dataclasses.replace(base, run_name="lost", secure_aggregation=True, round_timeout_s=30)
+        survived = threading.Thread(
+            target=lambda: outcome.update(report=federate(settings, lost_run)), daemon=True
+        )
+        survived.start()
+        deadline = time.monotonic() + 300
+        while replies_sent() < before + 2:  # its public keys, then its shares of its secrets
+            assert survived.is_alive() and time.monotonic() < deadline, lost.read_text()[-3000:]
+            time.sleep(0.05)
+        for pid in [devices[2].pid, *descendants(devices[2].pid)]:  # the SuperNode is in a session of its own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        survived.join(timeout=600)
+        assert "report" in outcome, "the round with a lost device did not finish"
+    finally:
+        for device in devices:  # `argus device` stops its SuperNode's tree on SIGTERM
+            device.send_signal(signal.SIGTERM)
+        for device in devices:
+            device.wait(timeout=60)
+        superlink.stop()
+
+    initial, summed_plainly, summed_securely = (
+        {k: v.numpy() for k, v in model_arrays(fresh_model(len(plain.classes))).items()},
+        weights(settings, plain.version),
+        weights(settings, secure.version),
+    )
+    moved = max(float(np.abs(summed_plainly[k] - initial[k]).max()) for k in initial)
+    gap = max(float(np.abs(summed_plainly[k] - summed_securely[k]).max()) for k in initial)
+    assert moved > 1e-3 and gap < 1e-4, (moved, gap)  # 3 × 2⁻²¹ · 8 per coordinate, over 3
+    for row in (plain.history[0], secure.history[0]):
+        assert row["clients_sampled"] == DEVICES and row["updates_accepted"] == DEVICES, row
+    # Under SecAgg+ no reply holds arrays: the masked vector travels as bytes, the update never.
+    for schema in map(json.loads, secure.wire):
+        assert all(not arrays for arrays in schema["arrays"].values()), schema
+    row = outcome["report"].history[0]
+    assert row["clients_sampled"] == DEVICES and row["updates_accepted"] == DEVICES - 1, row
+    assert outcome["report"].version not in (plain.version, secure.version)
+
+
+def fresh_model(num_classes: int):
+    """The model `federate` starts from without --init-from: the seed's, as it builds it."""
+    import torch
+
+    from app.model import build_model
+
+    torch.manual_seed(FederateConfig().seed)
+    return build_model("cnn", num_classes)

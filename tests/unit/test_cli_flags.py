@@ -45,6 +45,7 @@ TOGETHER = {
     "dp_noise": ["--dp-clip", "1.0"],
     "dp_max_epsilon": ["--dp-clip", "1.0", "--dp-noise", "1.0"],
     "engine": DEPLOYMENT[2:],
+    "secure_aggregation": DEPLOYMENT,
     "superlink_certfile": ["--superlink-keyfile", "key.pem"],
     "superlink_keyfile": ["--superlink-certfile", "cert.pem"],
     "device_keys": ["--superlink-certfile", "cert.pem", "--superlink-keyfile", "key.pem"],
