@@ -34,7 +34,8 @@ written once under /tmp/argus-bench-fl-u8.
    the simulation on 2 Ray actors with the same clients, seed and rounds. Round time: the fastest of
    rounds 2.., goal ≤ 1.5×. Metrics side by side: a device validates on every fifth of its images,
    not on the simulation's event-time slice, so its rows split differently and the metrics are
-   near, not equal (the difference is printed).
+   near, not equal (the difference is printed). A third run adds `--secure-aggregation` (SecAgg+):
+   its round time over the plain deployment's is the protocol's overhead.
 """
 
 from __future__ import annotations
@@ -540,7 +541,7 @@ def write_device_folders(cfg, root: Path) -> list[Path]:
     return folders
 
 
-def on_devices(cfg, folders: list[Path], tmp: Path):
+def on_devices(cfg, folders: list[Path], tmp: Path, secure_aggregation: bool = False):
     """`federate --engine deployment` (a SuperLink of its own, the devices' keys registered) with
     one `argus device` process per folder; its report."""
     import threading
@@ -563,6 +564,7 @@ def on_devices(cfg, folders: list[Path], tmp: Path):
         superlink_certfile=str(tls["server_cert"]),
         superlink_keyfile=str(tls["server_key"]),
         device_keys=str(tmp / "keys"),
+        secure_aggregation=secure_aggregation,
         run_name=f"bench-devices-{time.time_ns()}",
     )
     outcome = {}
@@ -643,7 +645,11 @@ def deployment_part(args) -> list[str]:
             with common.local_ray(num_cpus=2):
                 return federate(settings(), dataclasses.replace(cfg, run_name=f"bench-sim-{time.time_ns()}"))
 
-        reports = {"simulation": simulation(), "deployment": on_devices(cfg, folders, tmp)}
+        reports = {
+            "simulation": simulation(),
+            "deployment": on_devices(cfg, folders, tmp / "plain"),
+            "deployment, SecAgg+": on_devices(cfg, folders, tmp / "secure", secure_aggregation=True),
+        }
     rows, steady = [], {}
     for engine, report in reports.items():
         seconds = [row["round_seconds"] for row in report.history]
@@ -657,6 +663,8 @@ def deployment_part(args) -> list[str]:
     )
     gap = rows[1][3] - rows[0][3]
     print(f"  test-slice accuracy, deployment - simulation: {gap:+.3f} (devices split their own validation)")
+    overhead = steady["deployment, SecAgg+"] / steady["deployment"]
+    print(f"  SecAgg+ round overhead: {overhead:.2f}× the plain deployment's steady round")
     ratio = steady["deployment"] / steady["simulation"]
     return [goal_line("steady round, devices vs simulation", ratio, DEPLOYMENT_GOAL, higher_is_better=False)]
 
