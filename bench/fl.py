@@ -455,14 +455,14 @@ def quality_part(seeds: int, variants: list[str]) -> list[str]:
     ]
 
 
-def timing_part(args) -> list[str]:
-    make_snapshot(args.records, args.users)
-    from app.fl import FederateConfig, federate
+def every_client_config(rounds: int, clients: int):
+    """The timing runs' FederateConfig: every client trains every round, one local epoch."""
+    from app.fl import FederateConfig
 
-    cfg = FederateConfig(
-        rounds=args.rounds,
-        clients=args.clients,
-        clients_per_round=args.clients,
+    return FederateConfig(
+        rounds=rounds,
+        clients=clients,
+        clients_per_round=clients,
         local_epochs=1,
         batch_size=32,
         augment="none",
@@ -470,6 +470,13 @@ def timing_part(args) -> list[str]:
         num_cpus_per_client=1.0,
         seed=1,
     )
+
+
+def timing_part(args) -> list[str]:
+    make_snapshot(args.records, args.users)
+    from app.fl import federate
+
+    cfg = every_client_config(args.rounds, args.clients)
     goals = []
     with common.local_ray(num_cpus=2):
 
@@ -551,7 +558,7 @@ def on_devices(cfg, folders: list[Path], tmp: Path, secure_aggregation: bool = F
     from app.fl.superlink import FlowerControl, stop_tree
     from app.net import free_port
 
-    from conftest import device_keys, make_tls_files
+    from conftest import device_keys, make_tls_files, start_device
 
     tls = make_tls_files(tmp / "tls")
     keys = device_keys(tmp / "keys", [f"device{i}" for i in range(len(folders))])
@@ -591,29 +598,7 @@ def on_devices(cfg, folders: list[Path], tmp: Path, secure_aggregation: bool = F
     devices = []
     try:
         for i, folder in enumerate(folders):
-            log = (tmp / f"device{i}.log").open("w")
-            devices.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "app",
-                        "device",
-                        "--data-dir",
-                        str(folder),
-                        "--superlink",
-                        address,
-                        "--root-certificates",
-                        str(tls["ca"]),
-                        "--auth-key",
-                        str(keys[f"device{i}"]),
-                    ],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=ROOT,
-                    start_new_session=True,
-                )  # fmt: skip
-            )
+            devices.append(start_device(tmp, f"device{i}", folder, address, tls["ca"], keys[f"device{i}"]))
         server.join()
     finally:
         for device in devices:
@@ -625,19 +610,9 @@ def on_devices(cfg, folders: list[Path], tmp: Path, secure_aggregation: bool = F
 
 def deployment_part(args) -> list[str]:
     make_snapshot(args.records, args.users)
-    from app.fl import FederateConfig, federate
+    from app.fl import federate
 
-    cfg = FederateConfig(
-        rounds=args.rounds,
-        clients=args.devices,
-        clients_per_round=args.devices,
-        local_epochs=1,
-        batch_size=32,
-        augment="none",
-        init_from=None,
-        num_cpus_per_client=1.0,
-        seed=1,
-    )
+    cfg = every_client_config(args.rounds, args.devices)
     with common.scratch_dir("argus-bench-fl-devices-") as tmp:
         folders = write_device_folders(cfg, tmp / "folders")
 

@@ -332,6 +332,20 @@ def device_keys(directory: Path, names: list[str]) -> dict[str, Path]:
     return keys
 
 
+def start_device(
+    log_dir: Path, name: str, folder: Path, address: str, ca: Path, key: Path
+) -> subprocess.Popen:
+    """`argus device` for `folder`, its output in `log_dir/<name>.log`; SIGTERM stops it and its
+    SuperNode's tree."""
+    log = (log_dir / f"{name}.log").open("w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "app", "device", "--data-dir", str(folder), "--superlink", address,
+         "--root-certificates", str(ca), "--auth-key", str(key)],
+        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+        env=child_env(PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+
+
 def make_tls_files(directory: Path) -> dict[str, Path]:
     """A CA, a server certificate it signed for 127.0.0.1 and localhost (with its key), and an
     unrelated CA, as PEM files in `directory`: `ca`, `server_cert`, `server_key`, `wrong_ca`."""

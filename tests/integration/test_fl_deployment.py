@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from app.fl.task import exchanged_keys, model_arrays
 from app.net import free_port
 from app.transform import decode_pixels, resize_pixels
 
-from conftest import ROOT, TEST_IMAGE_SIZE, child_env, device_keys, make_tls_files, run_cli
+from conftest import TEST_IMAGE_SIZE, device_keys, make_tls_files, run_cli, start_device
 from snapshots import commit_snapshot
 
 DEVICES = 3
@@ -112,29 +111,8 @@ def test_devices_train_over_tls_and_the_server_registers_their_model(tmp_path):
     try:
         for i in range(DEVICES):
             folder = image_folder(tmp_path / f"device{i}", classes, seed=40 + i)
-            log = (tmp_path / f"device{i}.log").open("w")
             devices.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "app",
-                        "device",
-                        "--data-dir",
-                        str(folder),
-                        "--superlink",
-                        address,
-                        "--root-certificates",
-                        str(tls["ca"]),
-                        "--auth-key",
-                        str(keys[f"device{i}"]),
-                    ],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=ROOT,
-                    start_new_session=True,
-                    env=child_env(PYTHONPATH=str(ROOT)),
-                )  # fmt: skip
+                start_device(tmp_path, f"device{i}", folder, address, tls["ca"], keys[f"device{i}"])
             )
 
         # An unregistered key is refused by the SuperLink; so is a SuperNode that will not speak TLS.
@@ -207,18 +185,6 @@ def test_devices_train_over_tls_and_the_server_registers_their_model(tmp_path):
 
     run = mlflow.MlflowClient(settings.tracking_uri).get_run(result.run_id)
     assert run.data.tags["fl.engine"] == "deployment"
-
-
-def start_device(
-    tmp_path: Path, name: str, folder: Path, address: str, ca: Path, key: Path
-) -> subprocess.Popen:
-    log = (tmp_path / f"{name}.log").open("w")
-    return subprocess.Popen(
-        [sys.executable, "-m", "app", "device", "--data-dir", str(folder), "--superlink", address,
-         "--root-certificates", str(ca), "--auth-key", str(key)],
-        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-        env=child_env(PYTHONPATH=str(ROOT)),
-    )  # fmt: skip
 
 
 def weights(settings: Settings, version: str) -> dict[str, np.ndarray]:
