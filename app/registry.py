@@ -318,10 +318,17 @@ def load(tracking_uri: str, model_name: str, version: str) -> LoadedModel:
     once its artifacts match the digests registration recorded (TamperedModel otherwise)."""
     mlflow = _mlflow(tracking_uri)
     model_version = mlflow.MlflowClient().get_model_version(model_name, version)
+    source = model_version.source
     with tempfile.TemporaryDirectory() as tmp:
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_version.source, dst_path=tmp))
-        # A pyfunc version keeps them under artifacts/; one registered before the flavor, at the top.
-        folder = local / "artifacts" if (local / "artifacts" / WEIGHTS_FILE).exists() else local
+        # Only the two files read here: a pyfunc version's folder also holds its code, ~90 files, each
+        # a request (and a password check) to a tracking server. One registered before the flavor
+        # keeps them at the top; a pyfunc version under artifacts/.
+        top = {Path(info.path).name for info in mlflow.artifacts.list_artifacts(artifact_uri=source)}
+        if WEIGHTS_FILE not in top:
+            source = f"{source}/artifacts"
+        folder = Path(tmp)
+        for name in DIGEST_TAGS:
+            mlflow.artifacts.download_artifacts(artifact_uri=f"{source}/{name}", dst_path=tmp)
         for name, tag in DIGEST_TAGS.items():
             recorded = model_version.tags.get(tag)
             if recorded is None:

@@ -21,7 +21,7 @@ Without a GPU and without `--cpu` it prints why and exits 0: there is nothing to
 3. serve: `app.serve.build_app` on one GPU replica, ResNet-50 at 224 px, `max_batch_size` 32 against
    1 (batching off), a closed loop of `--concurrency` clients posting PNGs. Goal: ≥ 2× throughput.
 
-With `--cpu` every part runs the same functions on CPU (cnn at 32 px, about a hundred records, the GPU
+With `--cpu` every part runs the same functions on CPU (cnn at 32 px, a few dozen records, the GPU
 actor and nvJPEG on the CPU device): it proves the script runs end to end; its numbers mean nothing.
 """
 
@@ -280,7 +280,7 @@ GPU_DEFAULTS = dict(
 )  # fmt: skip
 CPU_DEFAULTS = dict(
     model="cnn", image_size=32, source_size=64, preprocess_records=32, block=16,
-    train_records=96, epochs=2, batch_size=32, plain_s=1.0, requests=32, concurrency=8,
+    train_records=48, epochs=2, batch_size=16, plain_s=0.5, requests=32, concurrency=8,
     serve_batch=8,
 )  # fmt: skip
 

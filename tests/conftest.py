@@ -279,6 +279,16 @@ class Trained(NamedTuple):
 
 
 @pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """One `mlflow server` with basic auth and a user for Argus (tests/mlflow_server.py), shared by
+    the session's tests of a registry behind HTTP."""
+    from mlflow_server import start_mlflow_server
+
+    with start_mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def trained(tmp_path_factory, broker, ray_cluster):
     """One snapshot of synthetic records and one registered model, shared by train and serve tests."""
     from app.config import IngestConfig, ProduceConfig, TrainConfig

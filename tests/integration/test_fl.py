@@ -204,7 +204,7 @@ def test_promote_if_better_keeps_a_better_champion_and_promotes_a_better_model(t
 
 def test_init_from_a_model_that_does_not_fit_is_a_clear_error(trained, caplog):
     from app import registry
-    from app.fl import _initial_model
+    from app.fl.run import _initial_model
 
     settings, _, _, _, _ = trained
     classes = registry.load(settings.tracking_uri, settings.model_name, "1").card.classes

@@ -1,7 +1,9 @@
 """`ray job submit` against a real head node on 127.0.0.1: every stage runs as a job (ingest,
 federate, train in the drift command's retraining job of ingest → train → promote-if-better, watch,
-serve --detach, drift, promote). `drift --retrain` submits that job only on drift, to run in
-the project's folder on the storage and registry drift read."""
+serve --detach, drift, promote), registering in and loading from `mlflow server` with basic auth
+(tests/mlflow_server.py) with the credentials in the node's environment, as KubeRay's pods get them
+from a Secret. `drift --retrain` submits that job only on drift, to run in the project's folder on
+the storage and registry drift read."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import re
 import shutil
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from ray.job_submission import JobStatus, JobSubmissionClient
@@ -27,11 +30,12 @@ from served import sequential
 
 
 @pytest.fixture(scope="module")
-def head_node(tmp_path_factory):
+def head_node(tmp_path_factory, mlflow_server):
     """A `ray start --head` node of its own (2 CPUs, like CI's machine), shared by this module's
     tests and gone with them (a detached Serve deployment on it would otherwise idle on through
-    the rest of the suite); its dashboard URL."""
-    cluster = LocalRayCluster(tmp_path_factory.mktemp("head"))
+    the rest of the suite), with the MLflow server's credentials in its environment: every job's
+    driver and every Serve replica has them. Its dashboard URL."""
+    cluster = LocalRayCluster(tmp_path_factory.mktemp("head"), head_env=mlflow_server.credentials)
     try:
         cluster.start_head(num_cpus=2)
         yield cluster.dashboard
@@ -64,7 +68,7 @@ def _drifted_copy(trained, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_every_stage_runs_as_a_job(head_node, broker, tmp_path):
+def test_every_stage_runs_as_a_job(head_node, broker, mlflow_server, tmp_path, monkeypatch, cli):
     settings = Settings(
         bootstrap_servers=broker,
         topic=f"t-{uuid.uuid4().hex[:8]}",
@@ -72,7 +76,10 @@ def test_every_stage_runs_as_a_job(head_node, broker, tmp_path):
         image_size=TEST_IMAGE_SIZE,
         model="cnn",
         partitions=2,
+        mlflow_uri=mlflow_server.url,
     )
+    for name, value in mlflow_server.credentials.items():  # this process's registry calls
+        monkeypatch.setenv(name, value)
     produce(
         settings,
         ProduceConfig(synthetic=240, seed=8, source_image_size=TEST_IMAGE_SIZE),
@@ -89,6 +96,8 @@ def test_every_stage_runs_as_a_job(head_node, broker, tmp_path):
         str(TEST_IMAGE_SIZE),
         "--model",
         "cnn",
+        "--mlflow-uri",
+        mlflow_server.url,
     ]
     job = submit(head_node, "ingest", *common)
     logs = wait_for_job(head_node, job)
@@ -96,7 +105,8 @@ def test_every_stage_runs_as_a_job(head_node, broker, tmp_path):
     # Its driver joined the job's cluster (Ray gives it RAY_ADDRESS) rather than starting a Ray of its
     # own: the head's GCS knows the driver of this submission only then.
     assert JobSubmissionClient(head_node).get_job_info(job).driver_info is not None
-    assert sum(m.records + m.dlq for m in SnapshotStore.at(settings.uri()).manifests()) == 240
+    [snapshot] = SnapshotStore.at(settings.uri()).manifests()
+    assert snapshot.records + snapshot.dlq == 240
 
     # Federated training as a job: Flower's clients run on the job's cluster, which outlives it. The
     # first version of the name becomes the champion the retraining job must beat.
@@ -108,6 +118,9 @@ def test_every_stage_runs_as_a_job(head_node, broker, tmp_path):
     assert registry.resolve(settings.tracking_uri, settings.model_name, "champion") == "1"
     first = registry.load(settings.tracking_uri, settings.model_name, "1")
     assert first.card.training_kind == "federated"
+    # The artifacts went through the server into its store, not beside the snapshots.
+    assert list(mlflow_server.artifacts.rglob(registry.WEIGHTS_FILE))
+    assert not Path(settings.storage, "mlartifacts").exists()
 
     # The retraining job drift submits: ingest (nothing new) && train --promote-if-better, judged
     # against that champion on the test slice.
@@ -122,6 +135,15 @@ def test_every_stage_runs_as_a_job(head_node, broker, tmp_path):
     assert registry.resolve(settings.tracking_uri, settings.model_name, "champion") == (
         "2" if new > old else "1"
     )
+    # The trained version names its snapshot as its MLflow dataset, and its pyfunc model (what
+    # `mlflow.pyfunc.load_model` loads, as test_serve.py does) is in the server's store.
+    import mlflow
+
+    server = mlflow.MlflowClient(mlflow_server.url)
+    trained_run = server.get_run(server.get_model_version(settings.model_name, "2").run_id)
+    (dataset,) = trained_run.inputs.dataset_inputs
+    assert dataset.dataset.name == snapshot.snapshot_id
+    assert list(mlflow_server.artifacts.glob(f"*/{trained_run.info.run_id}/artifacts/model/MLmodel"))
 
     # The long-lived watch as a job: it ingests what arrived since and stops after one micro-batch.
     produce(
@@ -146,6 +168,18 @@ def test_every_stage_runs_as_a_job(head_node, broker, tmp_path):
     logs = wait_for_job(head_node, submit(head_node, "promote", target, *common))
     assert f"every replica (1) at {url} serves v{target}" in logs, logs[-3000:]
     assert {version for version, _ in sequential(url, 20)} == {target}
+    assert registry.resolve(settings.tracking_uri, settings.model_name, "champion") == target
+
+    # A client without the credentials is refused by the registry (before any Ray: in process) and
+    # changes nothing.
+    for name in mlflow_server.credentials:
+        monkeypatch.delenv(name)
+    refused = cli("promote", champion, *common, "--timeout-s", "30")
+    assert refused.returncode == 2 and "refused this client (HTTP 401)" in refused.stderr, refused.stderr
+    for name, value in mlflow_server.credentials.items():
+        monkeypatch.setenv(name, value)
+    assert registry.resolve(settings.tracking_uri, settings.model_name, "champion") == target
+    assert {version for version, _ in sequential(url, 10)} == {target}
 
     # The head node still serves, and every job of this test (the head is shared) succeeded.
     jobs = [job for job in JobSubmissionClient(head_node).list_jobs() if settings.topic in job.entrypoint]

@@ -23,13 +23,17 @@ from conftest import TEST_IMAGE_SIZE, run_cli, settings_args
 from ray_nodes import LocalRayCluster, RedisServer, submit, wait_for_job
 from served import CLIENTS, Traffic, register_untrained, sequential
 
+# The head's object store: 80 MB, a quarter of it (20 MB, what training holds its input in) less than
+# the streaming test's input. A worker node brings a store of the default size.
+HEAD_OBJECT_STORE = "--object-store-memory=80000000"
+
 
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
     """One 1-CPU head node for the module's tests (starting one takes 15-50 s here): on one CPU, a lost
     node leaves work that no longer fits. Each test adds and kills worker nodes of its own."""
     nodes = LocalRayCluster(tmp_path_factory.mktemp("multinode"))
-    nodes.start_head(num_cpus=1)
+    nodes.start_head(1, HEAD_OBJECT_STORE)
     yield nodes
     nodes.shutdown()
 
@@ -42,7 +46,7 @@ def cluster(head, request):
     yield head
     if request.session.testsfailed > failed_before:  # whatever it left, even a dead head
         head.shutdown()
-        head.start_head(num_cpus=1)
+        head.start_head(1, HEAD_OBJECT_STORE)
     else:
         head.clear()
 
@@ -241,10 +245,9 @@ def _latest_checkpoint(run_dir: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_workers_holding_every_cpu_still_get_their_streamed_input(settings, ray_cluster, tmp_path):
-    """Input too big to hold in the object store streams from storage every epoch while two
-    half-CPU workers hold the node's only CPU: its reads must not wait for a CPU. (A head of its own: the
-    module's shared head keeps Ray's default object store, so the other tests hold their input.)"""
+def test_workers_holding_every_cpu_still_get_their_streamed_input(cluster, settings, ray_cluster):
+    """Input too big to hold in the head's object store streams from storage every epoch while two
+    half-CPU workers hold the head's only CPU: its reads must not wait for a CPU."""
     settings = dataclasses.replace(settings, image_size=64)  # 12 KB of pixels a record: 1,800 are 22 MB
     produce(
         settings,
@@ -252,18 +255,13 @@ def test_workers_holding_every_cpu_still_get_their_streamed_input(settings, ray_
         settings.kafka_connection(),
     )
     ingest(settings, IngestConfig(), settings.kafka_connection())  # on the session's Ray: quicker
-    cluster = LocalRayCluster(tmp_path)
-    try:
-        cluster.start_head(1, "--object-store-memory=80000000")  # 25% of it: 20 MB
-        job = submit(
-            cluster.dashboard,
-            "train",
-            *settings_args(settings),
-            *("--epochs", "1", "--batch-size", "32", "--num-workers", "2", "--cpus-per-worker", "0.5"),
-        )
-        logs = wait_for_job(cluster.dashboard, job, timeout_s=600)
-    finally:
-        cluster.shutdown()
+    job = submit(
+        cluster.dashboard,
+        "train",
+        *settings_args(settings),
+        *("--epochs", "1", "--batch-size", "32", "--num-workers", "2", "--cpus-per-worker", "0.5"),
+    )
+    logs = wait_for_job(cluster.dashboard, job, timeout_s=600)
     assert "streaming the input" in logs and "registered" in logs, logs[-3000:]
 
 
