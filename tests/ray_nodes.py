@@ -68,6 +68,10 @@ class LocalRayCluster:
             # first asks again for the group it had and waits out the whole default 60 s before it
             # settles for what is left. Here resources are there or not at once.
             RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10",
+            # As app/cluster.py does for its own Ray: on a loaded host the dashboard agent can take
+            # longer than the raylet's default wait for its ports, and the raylet then dies (seen
+            # restarting a head on Redis, 2026-12-06).
+            RAY_agent_register_timeout_ms="180000",
             **SERVE_ENV,
             **self.auth_env(),
         )
@@ -87,12 +91,12 @@ class LocalRayCluster:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     def start_head(self, num_cpus: float, *options: str, name: str = "head") -> Node:
-        """The head node; `options` go to its `ray start` (e.g. `--object-store-memory=...`). A head
-        that dies while starting is started once more: on a host with both cores busy its Ray
-        Client server can give up its fixed 30 s wait for the raylet to register, and `--block`
-        then stops the whole node (seen when two test processes ran side by side)."""
-        for attempt in (1, 2):
+        """The head node; `options` go to its `ray start` (e.g. `--object-store-memory=...`); one that
+        dies while starting is started once more, on fresh ports."""
+
+        def head_args() -> list[str]:
             gcs_port, dashboard_port, self.metrics_port = free_port(), free_port(), free_port()
+            self.address, self.dashboard = f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dashboard_port}"
             self._head_args = [
                 "--head",
                 f"--port={gcs_port}",
@@ -103,16 +107,9 @@ class LocalRayCluster:
                 f"--temp-dir={self.temp_dir}",
                 *options,
             ]
-            node = self._start(name, num_cpus, self._head_args, self.head_env)
-            self.address, self.dashboard = f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dashboard_port}"
-            try:
-                self._wait(lambda: self._job_server_answers(), 120, "the head's job server")
-                break
-            except AssertionError:
-                if node.alive or attempt == 2:
-                    raise
-                print(f"ray start --head exited {node.process.returncode} while starting; once more")
-                self._stop(self.nodes.pop(name))
+            return self._head_args
+
+        node = self._start_head_twice(name, num_cpus, head_args, 120, "the head's job server")
         self.wait_for_nodes(1)
         return node
 
@@ -124,13 +121,32 @@ class LocalRayCluster:
         # A session dir of its own: `ray start --head` refuses to start where the dead head's
         # ray_current_cluster names a GCS address that the worker's processes still use.
         args = [a for a in self._head_args if not a.startswith("--temp-dir=")]
-        node = self._start(
-            name, num_cpus, [*args, f"--temp-dir={self.temp_dir}-{name}{len(self.started)}"], self.head_env
-        )
         # Longer than a first start: the new GCS first reloads its tables from Redis and hears from
         # the nodes left (twice past 120 s on a loaded host, in clean-clone runs of 2026-12-05).
-        self._wait(lambda: self._job_server_answers(), 240, "the restarted head's job server")
-        return node
+        return self._start_head_twice(
+            name,
+            num_cpus,
+            lambda: [*args, f"--temp-dir={self.temp_dir}-{name}{len(self.started)}"],
+            240,
+            "the restarted head's job server",
+        )
+
+    def _start_head_twice(self, name: str, num_cpus: float, args, timeout_s: float, what: str) -> Node:
+        """`ray start` with `args()`, and once more with fresh `args()` if it exits before the job
+        server answers: on a host with both cores busy its Ray Client server can give up its fixed
+        30 s wait for the raylet, or the raylet its fixed 30 s to register with a GCS reloading from
+        Redis (a clean clone's run, 2026-12-06), and `--block` then stops the whole node."""
+        for attempt in (1, 2):
+            node = self._start(name, num_cpus, args(), self.head_env)
+            try:
+                self._wait(self._job_server_answers, timeout_s, what)
+                return node
+            except AssertionError:
+                if node.alive or attempt == 2:
+                    raise
+                print(f"ray start for {name} exited {node.process.returncode} while starting; once more")
+                self._stop(self.nodes.pop(name))
+        raise AssertionError(f"{name} did not start")  # unreachable: the second failure raised
 
     def add_node(self, name: str, num_cpus: float, env: dict[str, str] | None = None) -> Node:
         assert self.address, "start the head first"
