@@ -118,8 +118,13 @@ def test_every_stage_runs_as_a_job(head_node, broker, mlflow_server, tmp_path, m
     assert registry.resolve(settings.tracking_uri, settings.model_name, "champion") == "1"
     first = registry.load(settings.tracking_uri, settings.model_name, "1")
     assert first.card.training_kind == "federated"
-    # The artifacts went through the server into its store, not beside the snapshots.
-    assert list(mlflow_server.artifacts.rglob(registry.WEIGHTS_FILE))
+    # The artifacts went through the server into its store (the session shares it: v1's run's own
+    # folder there), not beside the snapshots.
+    import mlflow
+
+    server = mlflow.MlflowClient(mlflow_server.url)
+    first_run = server.get_model_version(settings.model_name, "1").run_id
+    assert list(mlflow_server.artifacts.glob(f"*/{first_run}/artifacts/model/**/{registry.WEIGHTS_FILE}"))
     assert not Path(settings.storage, "mlartifacts").exists()
 
     # The retraining job drift submits: ingest (nothing new) && train --promote-if-better, judged
@@ -137,9 +142,6 @@ def test_every_stage_runs_as_a_job(head_node, broker, mlflow_server, tmp_path, m
     )
     # The trained version names its snapshot as its MLflow dataset, and its pyfunc model (what
     # `mlflow.pyfunc.load_model` loads, as test_serve.py does) is in the server's store.
-    import mlflow
-
-    server = mlflow.MlflowClient(mlflow_server.url)
     trained_run = server.get_run(server.get_model_version(settings.model_name, "2").run_id)
     (dataset,) = trained_run.inputs.dataset_inputs
     assert dataset.dataset.name == snapshot.snapshot_id
