@@ -103,7 +103,6 @@ class LocalRayCluster:
                 "--dashboard-host=127.0.0.1",
                 f"--dashboard-port={dashboard_port}",
                 f"--ray-client-server-port={free_port()}",
-                f"--metrics-export-port={self.metrics_port}",
                 f"--temp-dir={self.temp_dir}",
                 *options,
             ]
@@ -137,7 +136,7 @@ class LocalRayCluster:
         30 s wait for the raylet, or the raylet its fixed 30 s to register with a GCS reloading from
         Redis (a clean clone's run, 2026-12-06), and `--block` then stops the whole node."""
         for attempt in (1, 2):
-            node = self._start(name, num_cpus, args(), self.head_env)
+            node = self._start(name, num_cpus, args(), self.head_env, metrics_port=self.metrics_port)
             try:
                 self._wait(self._job_server_answers, timeout_s, what)
                 return node
@@ -160,7 +159,14 @@ class LocalRayCluster:
         self.wait_for_nodes(before + 1)
         return node
 
-    def _start(self, name: str, num_cpus: float, args: list[str], env: dict[str, str] | None = None) -> Node:
+    def _start(
+        self,
+        name: str,
+        num_cpus: float,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        metrics_port: int | None = None,
+    ) -> Node:
         log = self.log_dir / f"ray-{name}.log"
         process = subprocess.Popen(
             [
@@ -172,6 +178,12 @@ class LocalRayCluster:
                 f"--resources={json.dumps({f'node_{name}': 1})}",
                 # The one fixed default port of every node: nodes on one host would share it.
                 f"--dashboard-agent-listen-port={free_port()}",
+                # The agents' other ports given too: left at 0, the raylet waits a fixed ~15 s for
+                # the agent to write them to files, and dies when its imports take longer on a
+                # busy host (a restarted head's dashboard agent first logged 20 s after its spawn).
+                f"--dashboard-agent-grpc-port={free_port()}",
+                f"--runtime-env-agent-port={free_port()}",
+                f"--metrics-export-port={metrics_port or free_port()}",
                 # Workers take OS-assigned ports: two raylets on one host share the default range.
                 "--min-worker-port=0",
                 "--max-worker-port=0",

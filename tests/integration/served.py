@@ -73,11 +73,11 @@ def start(directory: Path, **args) -> tuple[str, str, Settings]:
 
 
 class Traffic:
-    """CLIENTS threads, each posting its own PNG back to back and keeping its answers in order as
-    (status, model_version or error, replica)."""
+    """CLIENTS threads, each posting its own PNG back to back (or `pause_s` apart) and keeping its
+    answers in order as (status, model_version or error, replica)."""
 
-    def __init__(self, url: str, clients: int = CLIENTS):
-        self.url = url
+    def __init__(self, url: str, clients: int = CLIENTS, pause_s: float = 0.0):
+        self.url, self.pause_s = url, pause_s
         self.answers: list[list[tuple[int, str, str | None]]] = [[] for _ in range(clients)]
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._client, args=(i,)) for i in range(clients)]
@@ -100,6 +100,7 @@ class Traffic:
                 )
             except requests.RequestException as exc:
                 self.answers[index].append((0, repr(exc), None))
+            self._stop.wait(self.pause_s)
 
     def wait_for_answers(self, timeout_s: float = 120) -> None:
         """Until every client has had one more answer than now (so each sees what is served now)."""

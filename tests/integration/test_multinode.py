@@ -451,7 +451,9 @@ def test_the_head_dies_and_comes_back_on_redis_while_the_workers_replicas_keep_s
         wait_for_rollout(url, old, timeout_s=240)
         replicas = {r["replica"] for r in _live_replicas(url)}
 
-        with Traffic(url) as traffic:
+        # Paced: back-to-back traffic keeps both cores busy, and the restarted head's dashboard agent
+        # then misses the raylet's fixed ~15 s wait for its port file (the raylet is never told it).
+        with Traffic(url, clients=4, pause_s=0.1) as traffic:
             traffic.wait_for_answers()
             cluster.kill("head", noticed=False)
             time.sleep(5)  # serving with no head at all
