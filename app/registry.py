@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import shutil
 import tempfile
 import warnings
 from collections.abc import Iterable, Iterator
@@ -34,8 +35,15 @@ META_FILE = "argus_model.json"
 DIGEST_TAGS = {WEIGHTS_FILE: "weights_sha256", META_FILE: "card_sha256"}
 MAX_CLASSES = 1000
 # The pyfunc flavor (CONTRACT.md §5): `app/pyfunc.py` saved as code, the weights and card as its
-# artifacts (in the version's `artifacts/` folder), the `app` package as its code.
+# artifacts (in the version's `artifacts/` folder), and as its code the part of the `app` package
+# that loading and predicting import (closed under imports; a test loads a version where this
+# repository is not importable, so a module missing here fails it).
 PYFUNC_CODE = Path(__file__).with_name("pyfunc.py")
+PYFUNC_PACKAGE_FILES = (
+    "__init__.py", "pyfunc.py", "registry.py", "model.py", "inference.py", "transform.py",
+    "config.py", "errors.py", "data/__init__.py", "data/kafka.py", "data/kafka_config.py",
+    "data/records.py",
+)  # fmt: skip
 WEIGHTS_ARTIFACT, CARD_ARTIFACT = "weights", "card"
 ARTIFACT_FILES = {WEIGHTS_ARTIFACT: WEIGHTS_FILE, CARD_ARTIFACT: META_FILE}
 IMAGE_COLUMN = "image"
@@ -261,16 +269,21 @@ def save_pyfunc(path: str, files: Path, card: ModelCard, config: dict) -> None:
     )
     example = io.BytesIO()
     Image.new("RGB", (card.image_size, card.image_size), (128, 128, 128)).save(example, "PNG")
-    mlflow.pyfunc.save_model(
-        path=path,
-        python_model=str(PYFUNC_CODE),
-        artifacts={key: str(files / name) for key, name in ARTIFACT_FILES.items()},
-        code_paths=[str(PYFUNC_CODE.parent)],
-        model_config=config,
-        signature=signature,
-        input_example=pd.DataFrame({IMAGE_COLUMN: [example.getvalue()]}),
-        pip_requirements=[f"{p}=={importlib.metadata.version(p)}" for p in PYFUNC_REQUIREMENTS],
-    )
+    with tempfile.TemporaryDirectory() as code:
+        package = Path(code) / "app"
+        for name in PYFUNC_PACKAGE_FILES:
+            (package / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(PYFUNC_CODE.parent / name, package / name)
+        mlflow.pyfunc.save_model(
+            path=path,
+            python_model=str(PYFUNC_CODE),
+            artifacts={key: str(files / name) for key, name in ARTIFACT_FILES.items()},
+            code_paths=[str(package)],
+            model_config=config,
+            signature=signature,
+            input_example=pd.DataFrame({IMAGE_COLUMN: [example.getvalue()]}),
+            pip_requirements=[f"{p}=={importlib.metadata.version(p)}" for p in PYFUNC_REQUIREMENTS],
+        )
 
 
 def record_metrics(

@@ -85,11 +85,36 @@ def test_the_stored_card_round_trips():
     assert ModelCard.from_json(CARD.to_json()) == CARD
 
 
-def test_a_registered_version_is_a_pyfunc_model_that_answers_as_serving_does(registered):
+# Loads and predicts with a registered version as a user's process would where only the pinned
+# requirements are installed: this repository's `app` is not importable (its editable install's
+# finder is removed), so everything the model runs comes from the version's own `code/` folder.
+PYFUNC_USER = """
+import base64, importlib.util, json, sys
+sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
+assert importlib.util.find_spec("app") is None, "this repository's app is importable"
+import mlflow, pandas as pd
+uri, images = json.load(sys.stdin)
+model = mlflow.pyfunc.load_model(uri)
+answers = model.predict(pd.DataFrame({"image": [base64.b64decode(i) for i in images]}))
+try:
+    model.predict(pd.DataFrame({"image": [base64.b64decode(images[0]), b"not an image"]}))
+    refused = ""
+except Exception as exc:
+    refused = str(exc)
+json.dump({"label": list(answers["label"]), "score": list(answers["score"]), "refused": refused}, sys.stdout)
+"""
+
+
+def test_a_registered_version_is_a_pyfunc_model_that_answers_as_serving_does(registered, tmp_path):
     """CONTRACT.md §5: `mlflow.pyfunc.load_model("models:/NAME/VERSION")` predicts on raw image
-    bytes with the labels (and probabilities) a replica computes; loading it unpickles nothing."""
+    bytes with the labels (and probabilities) a replica computes, in a process where this
+    repository is not importable; loading it unpickles nothing."""
+    import base64
+    import os
+    import subprocess
+    import sys
+
     import mlflow
-    import pandas as pd
 
     from app.data import synth
     from app.inference import infer
@@ -97,18 +122,27 @@ def test_a_registered_version_is_a_pyfunc_model_that_answers_as_serving_does(reg
 
     tracking_uri, version, folder = registered
     assert not list(folder.parent.rglob("*.pkl"))  # saved as code: the model is this repository's file
+    shipped = {p.relative_to(folder.parent / "code").as_posix() for p in folder.parent.rglob("code/**/*.py")}
+    assert shipped == {f"app/{name}" for name in registry.PYFUNC_PACKAGE_FILES}  # the inference path only
     mlflow.set_tracking_uri(tracking_uri)
-    pyfunc = mlflow.pyfunc.load_model(f"models:/argus-trust/{version}")
-    assert pyfunc.metadata.get_input_schema().input_names() == [registry.IMAGE_COLUMN]
+    assert mlflow.pyfunc.load_model(
+        f"models:/argus-trust/{version}"
+    ).metadata.get_input_schema().input_names() == [registry.IMAGE_COLUMN]
     images = [r.value for r in synth.generate(6, seed=3, size=48, late_fraction=0.0, corrupt_fraction=0.0)]
-    answers = pyfunc.predict(pd.DataFrame({registry.IMAGE_COLUMN: images}))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"MLFLOW_TRACKING_URI": tracking_uri}
+    user = subprocess.run(
+        [sys.executable, "-c", PYFUNC_USER],
+        input=json.dumps([f"models:/argus-trust/{version}", [base64.b64encode(i).decode() for i in images]]),
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300,
+    )  # fmt: skip
+    assert user.returncode == 0, user.stderr[-3000:]
+    answers = json.loads(user.stdout)
 
     served = registry.load(tracking_uri, "argus-trust", version)
     expected = [answer for answer, _ in infer([(decode_pixels(v, CARD.image_size), served) for v in images])]
-    assert list(answers["label"]) == [a["label"] for a in expected]
-    assert list(answers["score"]) == pytest.approx([a["scores"][a["label"]] for a in expected], abs=1e-6)
-    with pytest.raises(Exception, match="row 1: "):
-        pyfunc.predict(pd.DataFrame({registry.IMAGE_COLUMN: [images[0], b"not an image"]}))
+    assert answers["label"] == [a["label"] for a in expected]
+    assert answers["score"] == pytest.approx([a["scores"][a["label"]] for a in expected], abs=1e-6)
+    assert "row 1: " in answers["refused"]
 
 
 def test_a_version_registered_before_the_pyfunc_flavor_still_loads(registered):
