@@ -470,7 +470,14 @@ def test_the_head_dies_and_comes_back_on_redis_while_the_workers_replicas_keep_s
         assert failed == [], failed[:5]
         assert served > down > 0  # answered while the head was gone, and after it came back
         assert cluster.nodes["worker"].alive
-        assert {r["replica"] for r in _live_replicas(url)} == replicas  # the same replicas, not new ones
+        # The same replicas, not new ones. Each reports to the rollout coordinator every poll; the
+        # coordinator's reports wait on `serve.status()` while the controller comes back, so a
+        # replica can be missing from /rollout for a few polls after (seen once in a clean clone).
+        deadline = time.monotonic() + 120
+        while (live := {r["replica"] for r in _live_replicas(url)}) != replicas:
+            assert not live - replicas, f"replaced: {live - replicas} reported, {replicas} before"
+            assert time.monotonic() < deadline, f"{replicas - live} stopped reporting to /rollout"
+            time.sleep(1)
         jobs = JobSubmissionClient(cluster.dashboard).list_jobs()
         assert [job.status for job in jobs if job.submission_id == serve_job] == [JobStatus.SUCCEEDED]
 
