@@ -470,9 +470,9 @@ def test_the_head_dies_and_comes_back_on_redis_while_the_workers_replicas_keep_s
         assert failed == [], failed[:5]
         assert served > down > 0  # answered while the head was gone, and after it came back
         assert cluster.nodes["worker"].alive
-        # The same replicas, not new ones. Each reports to the rollout coordinator every poll; the
-        # coordinator's reports wait on `serve.status()` while the controller comes back, so a
-        # replica can be missing from /rollout for a few polls after (seen once in a clean clone).
+        # The same replicas, not new ones. Each reports to the rollout coordinator every poll, and a
+        # replica was once missing from /rollout just after (a clean clone's run; likely the
+        # coordinator's `serve.status()` waiting while the controller came back).
         deadline = time.monotonic() + 120
         while (live := {r["replica"] for r in _live_replicas(url)}) != replicas:
             assert not live - replicas, f"replaced: {live - replicas} reported, {replicas} before"
