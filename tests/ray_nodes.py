@@ -133,8 +133,8 @@ class LocalRayCluster:
     def _start_head_twice(self, name: str, num_cpus: float, args, timeout_s: float, what: str) -> Node:
         """`ray start` with `args()`, and once more with fresh `args()` if it exits before the job
         server answers: on a host with both cores busy its Ray Client server can give up its fixed
-        30 s wait for the raylet, or the raylet its fixed 30 s to register with a GCS reloading from
-        Redis (a clean clone's run, 2026-12-06), and `--block` then stops the whole node."""
+        30 s wait for the raylet, or the raylet its fixed ~15 s wait for the dashboard agent's
+        listen-port file (clean clones' runs, 2026-12-06), and `--block` then stops the whole node."""
         for attempt in (1, 2):
             node = self._start(name, num_cpus, args(), self.head_env, metrics_port=self.metrics_port)
             try:
