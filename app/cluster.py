@@ -81,8 +81,8 @@ def ray_session(settings, *, num_cpus: int | None = None, dashboard: bool = Fals
         # Under `ray job submit` RAY_ADDRESS is set and the working dir is already shipped.
         context = ray.init(address=settings.ray_address or "auto", log_to_driver=not _to_files)
     else:
-        # A loaded 2-core machine can take longer than the raylet's default wait for the dashboard
-        # agent's ports, and the node then dies during start-up.
+        # A loaded 2-core machine's agents are slow to register. (The raylet's wait for their port
+        # files is a fixed ~15 s that this does not lengthen, and ray.init cannot pass the ports.)
         os.environ.setdefault("RAY_agent_register_timeout_ms", "180000")
         apply_serve_env()
         options = dict(

@@ -68,9 +68,8 @@ class LocalRayCluster:
             # first asks again for the group it had and waits out the whole default 60 s before it
             # settles for what is left. Here resources are there or not at once.
             RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10",
-            # As app/cluster.py does for its own Ray: on a loaded host the dashboard agent can take
-            # longer than the raylet's default wait for its ports, and the raylet then dies (seen
-            # restarting a head on Redis, 2026-12-06).
+            # As app/cluster.py does for its own Ray: a loaded host's agents are slow to register.
+            # It does not lengthen the raylet's fixed ~15 s wait for their port files (see _start).
             RAY_agent_register_timeout_ms="180000",
             **SERVE_ENV,
             **self.auth_env(),
