@@ -86,10 +86,10 @@ def _ingest(settings: Settings, args, cfg) -> int:
 
 
 def _migrate(settings: Settings, args) -> int:
+    from app.data.legacy import LegacySnapshots
     from app.data.migrate import migrate
-    from app.data.snapshot import SnapshotStore
 
-    snapshots = SnapshotStore.at(settings.uri())
+    snapshots = LegacySnapshots.at(settings.uri())
     print(migrate(snapshots, settings.storage, settings.catalog, settings.table, settings.topic))
     return 0
 
@@ -123,10 +123,9 @@ def _lag(settings: Settings, args, cfg) -> int:
     from app.cluster import ray_session
     from app.data.backlog import run_lag
     from app.data.broker import kafka_endpoint
-    from app.data.snapshot import SnapshotStore
 
     with kafka_endpoint(settings) as kafka, ray_session(settings):  # Ray: the gauges' endpoint
-        backlog = run_lag(SnapshotStore.at(settings.uri()), settings.topic, cfg, kafka, _stop_event())
+        backlog = run_lag(settings, cfg, kafka, _stop_event())
     for entry in backlog:
         print(f"{settings.topic} {entry}")
     return 0
@@ -240,14 +239,14 @@ COMMANDS = {
         needs_kafka=True,
     ),
     "ingest": Command(
-        "Kafka → Ray Data preprocessing → a new snapshot (offsets committed after it is durable)",
+        "Kafka → Ray Data preprocessing → one commit of the Iceberg table, offsets and rows together",
         _ingest,
         options.add_ingest,
         ("app.config:IngestConfig",),
         needs_kafka=True,
     ),
     "train": Command(
-        "Ray Train on snapshots → checkpoints → a new registered model version",
+        "Ray Train on a table snapshot → checkpoints → a new registered model version",
         _train,
         options.add_train,
         ("app.config:TrainConfig",),
@@ -284,8 +283,8 @@ COMMANDS = {
         needs_kafka=True,
     ),
     "lag": Command(
-        "export each partition's backlog (log end − committed) and its oldest record's age, with "
-        "or without a watch",
+        "export each partition's backlog (log end − the table's committed offset) and its oldest "
+        "record's age, with or without a watch",
         _lag,
         options.add_lag,
         ("app.data.backlog:LagConfig",),

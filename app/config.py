@@ -40,7 +40,7 @@ class Settings:
     topic: str = DEFAULT_TOPIC
     """Topic of behaviour-image records; dead letters go to `<topic>.dlq`."""
     storage: str = "./argus-data"
-    """Local path or pyarrow filesystem URI (s3://, hdfs://) for snapshots and checkpoints."""
+    """Local path or pyarrow filesystem URI (s3://, hdfs://) for the table's warehouse and checkpoints."""
     mlflow_uri: str | None = None
     """MLflow tracking URI; None means a SQLite file under a local storage dir."""
     ray_address: str | None = None
@@ -188,7 +188,7 @@ class ProduceConfig:
 @dataclass(kw_only=True)
 class IngestConfig:
     group: str = "argus-ingest"
-    """Consumer group whose committed offsets mirror the snapshots' ends."""
+    """Consumer group whose committed offsets mirror the table's (the table's are the truth)."""
     max_record_bytes: int = 10 * 1024 * 1024
     """Larger record values go to the dead-letter topic."""
     allowed_lateness_s: float = 3600.0
@@ -211,8 +211,6 @@ class IngestConfig:
     dlq_max_bytes: int = 1_000_000
     """Dead letters with a larger value go to `<storage>/dlq/` and the DLQ topic gets a pointer
     record (Kafka's default `max.message.bytes` is about 1 MB)."""
-    lease_ttl_s: float = 30.0
-    """The ingest lease's expiry: a writer that stops renewing it loses it after this long."""
     strict: bool = False
     """Fail instead of continuing when retention deleted records before they were ingested."""
     keep_source: bool = False
@@ -222,7 +220,6 @@ class IngestConfig:
     def __post_init__(self) -> None:
         _require(self.max_record_bytes > 0, "--max-record-bytes must be > 0")
         _require(self.dlq_max_bytes > 0, "--dlq-max-bytes must be > 0")
-        _require(self.lease_ttl_s >= 1, "--lease-ttl-s must be >= 1")
         _require(self.allowed_lateness_s >= 0, "--allowed-lateness-s must be >= 0")
         _require(self.features in (None, "resnet50"), f"--features must be resnet50, got {self.features!r}")
         _require(self.concurrency is None or self.concurrency >= 1, "--concurrency must be >= 1")
@@ -245,8 +242,8 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate: reached after the warmup, then decayed along the cosine."""
     seed: int = 0
-    snapshots: tuple[str, ...] | None = None
-    """Snapshot ids to train on; None means all."""
+    snapshots: int | None = None
+    """The table snapshot id to train on (`--snapshots ID`); None: the table's current snapshot."""
     val_fraction: float = 0.2
     """Newest share of records by event time held out: its older half validates (picks the epoch),
     its newest half tests (judges promotion); see `app.selection`."""
@@ -298,6 +295,10 @@ class TrainConfig:
         _require(0 <= self.label_smoothing < 1, "--label-smoothing must be in [0, 1)")
         _require(0 <= self.warmup_fraction < 1, "--warmup-fraction must be in [0, 1)")
         _require(self.max_failures >= 0, "--max-failures must be >= 0")
+        _require(
+            self.snapshots is None or type(self.snapshots) is int,  # bool is an int too
+            f"--snapshots takes one table snapshot id (an integer), got {self.snapshots!r}",
+        )
 
     @property
     def max_workers(self) -> int:

@@ -49,10 +49,10 @@ _DEFINITIONS = {
         ("topic",),
     ),
     "argus_watch_parts": ("counter", "Micro-batch parts `watch` committed", ("topic",)),
-    "argus_compactions": ("counter", "Compacted snapshots committed", ("topic",)),
+    "argus_compactions": ("counter", "Compactions of the table's small files committed", ("topic",)),
     "argus_compaction_failures": (
         "counter",
-        "Compaction passes that failed (retried with backoff)",
+        "Upkeep passes of the table (compaction, expiry, orphan removal) that failed, retried with backoff",
         ("topic",),
     ),
     "argus_train_loss": ("gauge", "Training loss of the last epoch", ("run",)),

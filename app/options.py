@@ -10,8 +10,14 @@ from app.config import AMP_MODES, MODELS
 from app.transform import AUGMENT_MODES
 
 
-def _csv(text: str) -> tuple[str, ...] | None:
-    return tuple(item for item in text.split(",") if item) or None
+def _snapshot_id(text: str) -> int:
+    """`--snapshots`: one table snapshot id (what `train` and `federate` read, CONTRACT.md §2)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected one table snapshot id (an integer), got {text!r}"
+        ) from None
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +63,7 @@ def add_produce(parser) -> None:
 
 
 def add_ingest(parser) -> None:
+    add_table(parser)
     parser.add_argument("--group", help="consumer group (default argus-ingest)")
     parser.add_argument("--max-record-bytes", type=int, help="larger values go to the DLQ (default 10 MiB)")
     parser.add_argument(
@@ -75,9 +82,6 @@ def add_ingest(parser) -> None:
         "--dlq-max-bytes", type=int, help="larger dead letters go to <storage>/dlq/, a pointer to the topic"
     )
     parser.add_argument(
-        "--lease-ttl-s", type=float, help="expiry of the one-writer ingest lease (default 30)"
-    )
-    parser.add_argument(
         "--strict",
         action="store_true",
         default=None,
@@ -92,6 +96,7 @@ def add_ingest(parser) -> None:
 
 
 def add_train(parser) -> None:
+    add_table(parser)
     parser.add_argument("--epochs", type=int)
     parser.add_argument("--batch-size", type=int, help="per-worker micro-batch (default 32)")
     parser.add_argument(
@@ -103,7 +108,12 @@ def add_train(parser) -> None:
     parser.add_argument("--grad-accum", type=int, help="micro-batches per optimiser step (default 1)")
     parser.add_argument("--lr", type=float, help="peak learning rate of the schedule (default 3e-3)")
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--snapshots", type=_csv, help="comma-separated snapshot ids (default: all)")
+    parser.add_argument(
+        "--snapshots",
+        type=_snapshot_id,
+        metavar="ID",
+        help="the table snapshot id to read (default: the table's current snapshot)",
+    )
     parser.add_argument(
         "--val-fraction", type=float, help="newest share by event time held out (default 0.2)"
     )
@@ -129,6 +139,7 @@ def add_train(parser) -> None:
 
 
 def add_federate(parser) -> None:
+    add_table(parser)
     parser.add_argument("--rounds", type=int, help="federated rounds (default 5)")
     parser.add_argument("--clients", type=int, help="simulated clients, each a group of users (default 10)")
     parser.add_argument("--clients-per-round", type=int, help="clients sampled per round (default 5)")
@@ -167,7 +178,12 @@ def add_federate(parser) -> None:
         help="fine-tune the model behind this alias; default auto: the champion when one exists and "
         "fits, else a fresh model; none: a fresh model",
     )
-    parser.add_argument("--snapshots", type=_csv, help="comma-separated snapshot ids (default: all)")
+    parser.add_argument(
+        "--snapshots",
+        type=_snapshot_id,
+        metavar="ID",
+        help="the table snapshot id to read (default: the table's current snapshot)",
+    )
     parser.add_argument("--seed", type=int)
     parser.add_argument("--run-name", help="rerunning with the same name resumes after its last round")
     parser.add_argument(
@@ -335,17 +351,20 @@ def add_watch(parser) -> None:
     parser.add_argument("--pause-file", help="while this file exists, measure lag but do not ingest")
     parser.add_argument("--max-ticks", type=int, help="stop after committing this many micro-batches")
     parser.add_argument(
-        "--compact-window-s",
+        "--compact-interval-s",
         type=float,
-        help="compact each closed window of parts into one snapshot (default 3600)",
+        help="between two upkeeps of the table: compaction, snapshot expiry, orphan removal "
+        "(default 300; 0: none in this watch)",
     )
     parser.add_argument(
-        "--compact-max-records", type=int, help="also compact once a window's parts hold this many records"
+        "--expire-after-s",
+        type=float,
+        help="table snapshots older than this expire, but those registered versions name (default 7 days)",
     )
     parser.add_argument(
-        "--compact-grace-s",
+        "--orphan-after-s",
         type=float,
-        help="delete superseded parts this long after compaction (default 60)",
+        help="files no table snapshot names are deleted once this old (default 3 days, at least 3600)",
     )
     parser.add_argument(
         "--session-timeout-s",
@@ -355,6 +374,7 @@ def add_watch(parser) -> None:
 
 
 def add_drift(parser) -> None:
+    add_table(parser)
     parser.add_argument("--window-s", type=float, help="recent traffic window (default 3600)")
     parser.add_argument("--threshold", type=float, help="PSI above this is drift (default 0.2)")
     parser.add_argument("--label-threshold", type=float, help="predicted-class PSI threshold (default 0.5)")
@@ -375,6 +395,7 @@ def add_drift(parser) -> None:
 
 
 def add_lag(parser) -> None:
+    add_table(parser)
     parser.add_argument("--interval-s", type=float, help="seconds between two measurements (default 15)")
     parser.add_argument(
         "--once", action="store_true", default=None, help="measure, print and export once, then exit"

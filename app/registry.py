@@ -47,6 +47,8 @@ PYFUNC_PACKAGE_FILES = (
 WEIGHTS_ARTIFACT, CARD_ARTIFACT = "weights", "card"
 ARTIFACT_FILES = {WEIGHTS_ARTIFACT: WEIGHTS_FILE, CARD_ARTIFACT: META_FILE}
 IMAGE_COLUMN = "image"
+TABLE_TAG, SNAPSHOT_TAG = "argus.table", "argus.table_snapshot_id"
+"""Version tags naming the table snapshot a version learnt from: what `pinned_snapshot_ids` reads."""
 # What `app.pyfunc` imports (it needs neither Ray nor Kafka), pinned to the versions that trained it.
 PYFUNC_REQUIREMENTS = ("mlflow", "torch", "torchvision", "pillow", "numpy", "safetensors", "pyarrow")
 
@@ -85,8 +87,8 @@ def log_run(
 ) -> str:
     """One MLflow run in the `argus` experiment, as train and federate both log theirs: params, each
     history row's numbers as metrics at that row's `step` (epoch or round), extra `metrics`, the
-    curves (PNG) and history (JSON) as artifacts, and each snapshot it learnt from (its URI and
-    lineage in `inputs`) as a dataset input. Returns the run id."""
+    curves (PNG) and history (JSON) as artifacts, and the table snapshot it learnt from (the
+    table's location and the read's lineage in `inputs`) as a dataset input. Returns the run id."""
     import mlflow
 
     from app.plots import save_curves
@@ -94,7 +96,7 @@ def log_run(
     with start_run(settings.tracking_uri, artifact_root(settings), run_name) as run:
         mlflow.log_params(params)
         for uri, lineage in inputs:
-            mlflow.log_input(snapshot_dataset(uri, lineage), context="training")
+            mlflow.log_input(table_dataset(uri, lineage), context="training")
         if tags:
             mlflow.set_tags(tags)
         for row in history:
@@ -110,9 +112,9 @@ def log_run(
         return run.info.run_id
 
 
-def snapshot_dataset(uri: str, lineage: dict):
-    """A snapshot as an MLflow dataset: where it lies, named by its id, its digest that of its
-    offset ranges (the same ranges are the same records, CONTRACT.md §2)."""
+def table_dataset(uri: str, lineage: dict):
+    """A table snapshot as an MLflow dataset: the table's location, named by the snapshot id, its
+    digest that of the snapshot's Kafka offsets (the same offsets are the same records, CONTRACT.md §2)."""
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
 
@@ -154,8 +156,9 @@ class ModelCard:
     image_size: int
     features: bool
     training_kind: str
-    snapshots: list[dict]
-    """[{snapshot_id, offsets: {partition: {start, end}}}] the version was trained on."""
+    lineage: dict
+    """The table snapshot the version learnt from (`TableRead.lineage()`): {table, snapshot_id,
+    offsets: {partition: {start, end}}}; {} on a card registered before the table."""
     metrics: dict
     split: dict | None = None
     """The event-time split (`app.selection.EventTimeSplit`): which records picked the model and
@@ -164,9 +167,19 @@ class ModelCard:
     """Under differential privacy, what it promises and how it was counted (epsilon, delta, noise
     multiplier, clip, rounds, client sampling, accountant, and whether the starting model had
     seen these users' data without DP); None for a model trained without DP."""
+    snapshots: list[dict] | None = None
+    """Cards registered before the Iceberg table: [{snapshot_id, offsets}] of the snapshot folders
+    they were trained on (still shown by GET /model); None on every card since."""
 
     def to_json(self) -> str:
-        return json.dumps(self.__dict__, indent=2, sort_keys=True)
+        fields = {k: v for k, v in self.__dict__.items() if not (k == "snapshots" and v is None)}
+        return json.dumps(fields, indent=2, sort_keys=True)
+
+    @property
+    def table_snapshot_id(self) -> int | None:
+        """The table snapshot the version learnt from (None: a card from before the table)."""
+        snapshot_id = self.lineage.get("snapshot_id") if isinstance(self.lineage, dict) else None
+        return int(snapshot_id) if snapshot_id is not None else None
 
     @classmethod
     def from_json(cls, text: str) -> ModelCard:
@@ -179,6 +192,8 @@ class ModelCard:
         known = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(fields, dict) or not set(fields) <= known:
             raise TamperedModel(f"model card has unknown fields: {sorted(set(fields) - known)}")
+        if "snapshots" in fields:  # registered before the table: its lineage is that list
+            fields.setdefault("lineage", {})
         try:
             card = cls(**fields)
         except TypeError as exc:  # a required field missing
@@ -198,6 +213,7 @@ class ModelCard:
                 f"image_size {card.image_size!r} is outside 8..1024",
             ),
             (isinstance(card.features, bool), "features must be true or false"),
+            (isinstance(card.lineage, dict), "lineage must be an object"),
         ]
         for ok, why in checks:
             if not ok:
@@ -239,8 +255,7 @@ def register(
         "arch": card.arch,
         "classes": json.dumps(card.classes),
         "image_size": str(card.image_size),
-        "snapshot_ids": ",".join(s["snapshot_id"] for s in card.snapshots),
-        "kafka_offsets": json.dumps({s["snapshot_id"]: s["offsets"] for s in card.snapshots}, sort_keys=True),
+        **_lineage_tags(card.lineage),
         **{f"metric.{k}": f"{v:.4f}" for k, v in card.metrics.items() if isinstance(v, (int, float))},
         **digests,
     }
@@ -249,6 +264,17 @@ def register(
         client.set_registered_model_alias(model_name, alias_if_first, version)
         log.info("%s v%s is the first version: alias %r points at it", model_name, version, alias_if_first)
     return str(version)
+
+
+def _lineage_tags(lineage: dict) -> dict[str, str]:
+    """The version's tags for its table snapshot (none for a card without one)."""
+    if not lineage.get("snapshot_id"):
+        return {}
+    return {
+        TABLE_TAG: lineage["table"],
+        SNAPSHOT_TAG: str(lineage["snapshot_id"]),
+        "kafka_offsets": json.dumps(lineage["offsets"], sort_keys=True),
+    }
 
 
 def save_pyfunc(path: str, files: Path, card: ModelCard, config: dict) -> None:
@@ -304,6 +330,26 @@ def promote(tracking_uri: str, model_name: str, version: str, alias: str = "cham
     client = _mlflow(tracking_uri).MlflowClient()
     client.get_model_version(model_name, version)  # raises for an unknown version
     client.set_registered_model_alias(model_name, alias, version)
+
+
+def pinned_snapshot_ids(settings) -> set[int]:
+    """The table snapshot ids that the registered versions of `settings.model_name` name for
+    `settings.table`: expiry keeps them, so every version's data can be read again (drift's
+    reference, a retraining). Raises when the registry cannot be read: then nothing may expire."""
+    uri = settings.tracking_uri
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        return set()  # no registry yet, so no version: do not create one here
+    client = _mlflow(uri).MlflowClient()
+    pinned, token = set(), None
+    while True:
+        page = client.search_model_versions(f"name = '{settings.model_name}'", page_token=token)
+        for version in page:
+            tags = version.tags or {}
+            if tags.get(SNAPSHOT_TAG) and tags.get(TABLE_TAG) == settings.table:
+                pinned.add(int(tags[SNAPSHOT_TAG]))
+        token = page.token
+        if not token:
+            return pinned
 
 
 def resolve(tracking_uri: str, model_name: str, alias: str) -> str | None:

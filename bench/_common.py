@@ -8,6 +8,7 @@ noisy neighbour slows both, and prints ratios of medians. Nothing here asserts o
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import platform
 import statistics
@@ -272,3 +273,32 @@ def goal_line(
     sign = "≥" if higher_is_better else "≤"
     line = f"goal: {goal} {sign} {threshold:g}×: measured {measured:.2f}× ({'PASS' if ok else 'MISS'})"
     return f"{line}  {note}" if note else line
+
+
+@contextlib.contextmanager
+def s3_storage(uri: str | None) -> Iterator[str]:
+    """`uri` as given (AWS_ENDPOINT_URL and keys from the environment), or, without one, a bucket
+    on a moto S3 server started here on 127.0.0.1."""
+    if uri:
+        yield uri.rstrip("/")
+        return
+    from moto.server import ThreadedMotoServer
+
+    from app.net import free_port
+    from app.storage import s3_client
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per S3 request
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    os.environ.update(
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_REGION="us-east-1",
+    )
+    try:
+        s3_client().create_bucket(Bucket="argus-bench")
+        yield "s3://argus-bench/ingest"
+    finally:
+        server.stop()

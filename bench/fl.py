@@ -1,12 +1,12 @@
 """Federated learning benchmarks (#5, #27): Flower on Ray actors vs a plain loop in time and in quality;
 memory vs clients.
 
-    .venv/bin/python bench/fl.py                  # a few minutes on 2 cores; the snapshot is made once
+    .venv/bin/python bench/fl.py                  # a few minutes on 2 cores; the table is made once
     .venv/bin/python bench/fl.py --repeats 3 --rounds 4 --skip-memory
     .venv/bin/python bench/fl.py --skip-timing --skip-memory --variant augment=light
 
-A synthetic snapshot (5,000 records of 1,400 users at 32 px, laid out as ingest writes one) is
-written once under /tmp/argus-bench-fl-u8.
+A synthetic table commit (5,000 records of 1,400 users at 32 px, the rows ingest writes) is made
+once in the Iceberg table under /tmp/argus-bench-fl-table.
 1. Round wall time. `federate` (Flower ServerApp + FedAvg behind the guard, the ClientApp in Ray
    actors of 1 CPU, fp16 updates, per-round checkpoints) against a plain loop in this process, no
    Ray and no Flower, that trains the same clients in turn with the same
@@ -21,14 +21,14 @@ written once under /tmp/argus-bench-fl-u8.
    sampled for PSS. The actor pool and each actor's data cache are bounded; goal: 10× the clients
    costs under 1.5× the memory (linear would be 10×).
 3. Quality (#27). scikit-learn's 1,797 digit scans (shipped in the wheel; 40 users, bench/quality.py's
-   records, 32 px) as a snapshot under /tmp/argus-bench-fl-digits, 8 clients by user, 4 a round,
+   records, 32 px) as a table commit under /tmp/argus-bench-fl-digits-table, 8 clients by user, 4 a round,
    2 local epochs, 5 rounds, the `cnn`, SGD lr 0.05 with momentum 0.9, batch 32: `federate` with
    its defaults against a plain PyTorch FedAvg loop in this process on the same clients' rows and
    the same event-time split, both judged on the same test slice; medians of `--seeds` seeds
    (default 10: one seed moves either side by ±0.1 here, so 3 cannot resolve the 1 % goal).
    Goal ≥ 0.99×. `--variant augment=none` (repeatable) adds an Argus row with those
    FederateConfig overrides, to find what costs accuracy.
-5. Deployment (#27). The timing snapshot's first `--devices` clients (3) as devices: each
+5. Deployment (#27). The timing table's first `--devices` clients (3) as devices: each
    client's rows as PNG files in a folder of its own (`DIR/<label>/*`), one `argus device` process
    each, a SuperLink with TLS and device keys started by `federate --engine deployment`; against
    the simulation on 2 Ray actors with the same clients, seed and rounds. Round time: the fastest of
@@ -52,71 +52,68 @@ from pathlib import Path
 import _common as common
 from _common import ROOT, alternate, goal_line, median_of, print_table
 
-STORAGE = Path("/tmp/argus-bench-fl-u8")  # -u8: uint8 pixel snapshots, not the old floats
-TOPIC, SNAPSHOT, SIZE = "bench-fl", "snap-bench-fl", 32
+STORAGE = Path("/tmp/argus-bench-fl-table")  # -table: the Iceberg table, not the old snapshot folders
+TOPIC, SIZE = "bench-fl", 32
 TIME_GOAL, MEMORY_GOAL, DEPLOYMENT_GOAL = 1.2, 1.5, 1.5
 
 
-def make_snapshot(records: int, users: int) -> None:
-    """The timing runs' snapshot: synthetic records straight from the generator."""
+def make_table(records: int, users: int) -> None:
+    """The timing runs' table commit: synthetic records straight from the generator."""
     from app.data.synth import generate
     from app.transform import decode_pixels, resize_pixels
 
-    if (STORAGE / "snapshots" / SNAPSHOT / "_manifest.json").exists():
+    if _committed(settings()):
         return
     started = time.perf_counter()
     rows = list(generate(records, seed=7, users=users, size=SIZE))
     images = resize_pixels([decode_pixels(r.value) for r in rows], SIZE).numpy()
-    write_snapshot(STORAGE, TOPIC, SNAPSHOT, rows, images)
+    commit_records(settings(), rows, images)
     print(
-        f"  snapshot: {len(rows)} records of {len({r.user_id for r in rows})} users in "
+        f"  table commit: {len(rows)} records of {len({r.user_id for r in rows})} users in "
         f"{time.perf_counter() - started:.0f}s",
         flush=True,
     )
 
 
-def write_snapshot(storage: Path, topic: str, snapshot_id: str, rows: list, images) -> None:
-    """A snapshot as ingest lays one out (Parquet + manifest): `rows` (user_id, label,
-    event_time_ms) with their uint8 pixels `images` [N, 3, S, S], on partition 0."""
+def _committed(settings) -> bool:
+    from app.data.table import ImageTable
+
+    return ImageTable.at(settings.storage, settings.catalog, settings.table).current_snapshot_id() is not None
+
+
+def commit_records(settings, rows: list, images) -> int:
+    """`rows` (user_id, label, event_time_ms) with their uint8 pixels `images` [N, 3, S, S] as the
+    rows ingest commits, on partition 0 of the table of `settings`; the table snapshot id."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
-    from ray.data.extensions import ArrowTensorArray
 
-    from app import storage as stores
-    from app.data.manifest import DataFile, WriteSpec, WriteStats, build_manifest
-    from app.data.snapshot import MANIFEST
+    from app.data.selection import hwc_bytes
+    from app.data.table import ImageTable
 
-    root = storage / "snapshots" / snapshot_id
+    n, size = len(rows), images.shape[-1]
     table = pa.table(
         {
-            "partition": pa.array([0] * len(rows), pa.int32()),
-            "offset": pa.array(range(len(rows)), pa.int64()),
-            "key": [r.user_id for r in rows],
+            "kafka_partition": pa.array([0] * n, pa.int32()),
+            "kafka_offset": pa.array(range(n), pa.int64()),
+            "user_id": [r.user_id for r in rows],
             "label": [r.label for r in rows],
-            "event_time": pa.array([r.event_time_ms for r in rows], pa.int64()),
-            "image": ArrowTensorArray.from_numpy(images),
+            "event_time_ms": pa.array([r.event_time_ms for r in rows], pa.int64()),
+            "device_id": [r.device_id for r in rows],
+            "pixels": pa.array(hwc_bytes(images), pa.binary()),
+            "height": pa.array([size] * n, pa.int32()),
+            "width": pa.array([size] * n, pa.int32()),
         }
     )
-    (root / "event_date=bench").mkdir(parents=True, exist_ok=True)
-    buffer = pa.BufferOutputStream()
-    pq.write_table(table, buffer)
-    data = buffer.getvalue().to_pybytes()
-    (root / "event_date=bench" / "part-0.parquet").write_bytes(data)
-    stats = WriteStats()
-    for offset in range(len(rows)):
-        stats.partition(0).add(offset, dead_letter=False)
-    stats.labels.update(r.label for r in rows)
-    stats.add_event_times(min(r.event_time_ms for r in rows), max(r.event_time_ms for r in rows))
-    stats.files.append(DataFile("event_date=bench/part-0.parquet", len(data), stores.sha256(data)))
-    spec = WriteSpec(
-        topic=topic,
-        dlq_topic=f"{topic}.dlq",
-        image_size=images.shape[-1],
-        classes=None,
-        allowed_lateness_s=3600.0,
-    )
-    manifest = build_manifest(spec, snapshot_id, {0: (0, len(rows))}, {}, stats)
-    (root / MANIFEST).write_text(manifest.to_json())
+    images_table = ImageTable.at(settings.storage, settings.catalog, settings.table)
+    return images_table.commit(table, {0: (0, n)}, dlq_records=0, topic=settings.topic)
+
+
+def table_data(settings) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(classes, data files) of the current table snapshot, as `federate` reads them."""
+    from app.data.selection import select
+    from app.data.table import ImageTable
+
+    read = select(ImageTable.at(settings.storage, settings.catalog, settings.table), settings.image_size)
+    return tuple(read.classes(None)), read.files
 
 
 def settings():
@@ -130,13 +127,10 @@ def sequential_fedavg(cfg) -> list[float]:
     import torch
 
     from app import model as core
-    from app.data.snapshot import SnapshotStore
     from app.fl import central_test
     from app.fl.task import exchanged_keys, load_client_data, local_evaluate, local_train, model_arrays
 
-    snapshots = SnapshotStore.at(settings().uri())
-    classes = tuple(snapshots.read_manifest(SNAPSHOT).classes)
-    uris = (snapshots.uri(SNAPSHOT),)
+    classes, uris = table_data(settings())
     torch.manual_seed(cfg.seed)
     global_model = core.build_model("cnn", len(classes))
     split, central = central_test(
@@ -231,24 +225,24 @@ def measure_memory(clients: int) -> dict:
 
 # ---------------------------------------------------------------- 3. quality on real digits
 
-DIGITS = Path("/tmp/argus-bench-fl-digits")
-DIGITS_TOPIC, DIGITS_SNAPSHOT = "bench-fl-digits", "snap-bench-fl-digits"
+DIGITS = Path("/tmp/argus-bench-fl-digits-table")
+DIGITS_TOPIC = "bench-fl-digits"
 QUALITY = dict(rounds=5, clients=8, clients_per_round=4, local_epochs=2, batch_size=32, lr=0.05)
 """#27's budget: 8 clients by user, 4 a round, 2 local epochs, 5 rounds, SGD 0.05, batch 32."""
 QUALITY_GOAL = 0.99
 
 
-def make_digits_snapshot() -> None:
-    """scikit-learn's 1,797 digit scans of 40 users (bench/quality.py's records) as a snapshot."""
+def make_digits_table() -> None:
+    """scikit-learn's 1,797 digit scans of 40 users (bench/quality.py's records) as a table commit."""
     import quality  # bench/quality.py
 
     from app.transform import decode_pixels, resize_pixels
 
-    if (DIGITS / "snapshots" / DIGITS_SNAPSHOT / "_manifest.json").exists():
+    if _committed(digits_settings()):
         return
     rows = quality.digit_records(SIZE, seed=0, start_ms=1_700_000_000_000)
     images = resize_pixels([decode_pixels(r.value) for r in rows], SIZE).numpy()
-    write_snapshot(DIGITS, DIGITS_TOPIC, DIGITS_SNAPSHOT, rows, images)
+    commit_records(digits_settings(), rows, images)
 
 
 def digits_settings():
@@ -269,14 +263,11 @@ def plain_fedavg(seed: int) -> float:
     from torch import nn
 
     from app import model as core
-    from app.data.snapshot import SnapshotStore
     from app.fl import central_test
     from app.fl.task import load_client_data
     from app.transform import normalize_pixels
 
-    snapshots = SnapshotStore.at(digits_settings().uri())
-    classes = tuple(snapshots.read_manifest(DIGITS_SNAPSHOT).classes)
-    uris = (snapshots.uri(DIGITS_SNAPSHOT),)
+    classes, uris = table_data(digits_settings())
     torch.manual_seed(seed)
     model = core.build_model("cnn", len(classes))
     split, central = central_test(list(uris), list(classes), 0.2, model, torch.device("cpu"))
@@ -331,19 +322,19 @@ def central_champion(seed: int) -> tuple[str, float]:
 
     from app import model as core
     from app import registry
-    from app.data.snapshot import SnapshotStore
+    from app.data.selection import select
+    from app.data.table import ImageTable
     from app.fl import central_test
     from app.fl.task import labelled_rows
     from app.transform import normalize_pixels
 
     settings = digits_settings()
-    snapshots = SnapshotStore.at(settings.uri())
-    classes = list(snapshots.read_manifest(DIGITS_SNAPSHOT).classes)
-    uris = [snapshots.uri(DIGITS_SNAPSHOT)]
+    read = select(ImageTable.at(settings.storage, settings.catalog, settings.table), SIZE)
+    classes, uris = read.classes(None), list(read.files)
     torch.manual_seed(seed)
     model = core.build_model("cnn", len(classes))
     split, central = central_test(uris, classes, 0.2, model, torch.device("cpu"))
-    x, y, _ = labelled_rows(uris, classes, pc.field("event_time") < split.val_from)
+    x, y, _ = labelled_rows(uris, classes, pc.field("event_time_ms") < split.val_from)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
     for _ in range(10):
@@ -354,7 +345,7 @@ def central_champion(seed: int) -> tuple[str, float]:
     model.eval()
     card = registry.ModelCard(
         arch="cnn", classes=classes, image_size=SIZE, features=False, training_kind="ddp",
-        snapshots=[], metrics={}, split=split.to_dict(),
+        lineage=read.lineage(), metrics={}, split=split.to_dict(),
     )  # fmt: skip
     with registry.start_run(
         settings.tracking_uri, registry.artifact_root(settings), f"central-{seed}"
@@ -370,7 +361,7 @@ def fine_tune_part(seeds: int, recipes: list[str]) -> list[str]:
     against the one it started from (#27: after ≥ before − 0.005)."""
     import statistics
 
-    make_digits_snapshot()
+    make_digits_table()
     recipes = ["", *recipes]  # "": federate's defaults
     changes: dict[str, list[float]] = {r: [] for r in recipes}
     with common.local_ray(num_cpus=2):
@@ -422,7 +413,7 @@ def _variant(text: str) -> dict:
 def quality_part(seeds: int, variants: list[str]) -> list[str]:
     import statistics
 
-    make_digits_snapshot()
+    make_digits_table()
     rows, argus_medians = [], {}
     with common.local_ray(num_cpus=2):
         runs = {"plain PyTorch FedAvg": plain_fedavg, "Argus federate (defaults)": argus_fedavg}
@@ -473,7 +464,7 @@ def every_client_config(rounds: int, clients: int):
 
 
 def timing_part(args) -> list[str]:
-    make_snapshot(args.records, args.users)
+    make_table(args.records, args.users)
     from app.fl import federate
 
     cfg = every_client_config(args.rounds, args.clients)
@@ -527,13 +518,10 @@ def write_device_folders(cfg, root: Path) -> list[Path]:
     from PIL import Image
 
     from app import model as core
-    from app.data.snapshot import SnapshotStore
     from app.fl import central_test
     from app.fl.task import load_client_data
 
-    snapshots = SnapshotStore.at(settings().uri())
-    classes = tuple(snapshots.read_manifest(SNAPSHOT).classes)
-    uris = (snapshots.uri(SNAPSHOT),)
+    classes, uris = table_data(settings())
     model = core.build_model("cnn", len(classes))
     split, _ = central_test(list(uris), list(classes), cfg.val_fraction, model, torch.device("cpu"))
     folders = []
@@ -609,7 +597,7 @@ def on_devices(cfg, folders: list[Path], tmp: Path, secure_aggregation: bool = F
 
 
 def deployment_part(args) -> list[str]:
-    make_snapshot(args.records, args.users)
+    make_table(args.records, args.users)
     from app.fl import federate
 
     cfg = every_client_config(args.rounds, args.devices)

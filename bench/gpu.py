@@ -13,7 +13,7 @@ Without a GPU and without `--cpu` it prints why and exits 0: there is nothing to
    CPU, resizing on the GPU). Goal: the GPU actor ≥ 2× the CPU pool. Then, in this process, what
    nvJPEG would add: `torchvision.io.decode_jpeg(..., device="cuda")` batches against Pillow
    decoding in threads, both resizing on the device (info: whether ingest should decode JPEGs there).
-2. train: the full path — embedded broker → produce → ingest (on the GPU) → snapshot → Ray Data →
+2. train: the full path — embedded broker → produce → ingest (on the GPU) → table snapshot → Ray Data →
    `TorchTrainer` (one GPU worker) — for ResNet-50 at 224 px under bf16 autocast and under fp16 with
    a GradScaler: the last epoch's training images/s (the first pays for start-up), against the plain
    loop's ceiling: the same model, batch, optimiser and autocast over tensors already on the GPU.
@@ -181,8 +181,8 @@ def train_part(args, device: str, tmp: Path) -> list[str]:
         pool = jpeg_records(min(args.train_records, 512), args.source_size, seed=2)
         common.produce_records(bootstrap, settings.topic, args.train_records, pool, partitions=4)
         started = time.perf_counter()
-        snapshot = ingest(settings, IngestConfig(use_gpu=use_gpu), settings.kafka_connection())
-        print(f"  ingest: {snapshot.records} records in {time.perf_counter() - started:.1f} s")
+        committed = ingest(settings, IngestConfig(use_gpu=use_gpu), settings.kafka_connection())
+        print(f"  ingest: {committed.records} records in {time.perf_counter() - started:.1f} s")
         for amp in ("bf16", "fp16"):
             report = train(
                 settings,
@@ -211,7 +211,8 @@ def train_part(args, device: str, tmp: Path) -> list[str]:
                     f"measured {argus:.0f} ({'PASS' if ok else 'MISS'})"
                 )
     print_table(
-        f"2. train {args.model} at {args.image_size} px from a snapshot, batch {args.batch_size} (images/s)",
+        f"2. train {args.model} at {args.image_size} px from a table snapshot, batch {args.batch_size} "
+        "(images/s)",
         ["run", "Argus full path", "plain loop", "ratio"],
         rows,
     )

@@ -1,15 +1,21 @@
-"""Planning cost as the Iceberg table's history grows (#25): the next ingest's start
-(`ImageTable.committed`), a reader's file list for the current snapshot (train's plan) and one
-more commit, after 10, 1,000 and 10,000 commits, with the table's upkeep (`app.data.maintenance`:
-compaction and expiry every --upkeep-every commits, as `watch` will run it) against the same
-history without upkeep (the plain baseline: PyIceberg's defaults, every snapshot kept).
+"""The Iceberg table's costs (#25).
+
+1. History: planning as the table's history grows. The next ingest's start
+   (`ImageTable.committed`), a reader's file list for the current snapshot (train's plan) and one
+   more commit, after 10, 1,000 and 10,000 commits, with the table's upkeep
+   (`app.data.maintenance`: compaction and expiry every --upkeep-every commits, as `watch` runs it)
+   against the same history without upkeep (the plain baseline: PyIceberg's defaults, every
+   snapshot kept). The baseline stops at --baseline-max commits: without expiry each commit
+   rewrites a metadata file holding every earlier snapshot, so building its history grows
+   quadratically. Goal: with upkeep, planning at the largest size ≤ 1.5× planning at 10 commits.
+2. Write: the same preprocessed rows (32 px, --write-rows per commit) committed to the table
+   (`ImageTable.commit`: Parquet files by event date, then one catalog commit with the offsets)
+   against a plain `pyarrow.parquet.write_to_dataset` partitioned by event date, alternating,
+   --repeats rounds. Goal: the table's rows/s ≥ 0.8× the plain write's.
 
     .venv/bin/python bench/history.py                       # 10 / 1,000 / 10,000 commits, local disk
     .venv/bin/python bench/history.py --sizes 10,300        # quicker
-
-The baseline stops at --baseline-max commits: without expiry each commit rewrites a metadata file
-holding every earlier snapshot, so building its history grows quadratically.
-Goal: with upkeep, planning at the largest size ≤ 1.5× planning at 10 commits.
+    .venv/bin/python bench/history.py --s3                  # the warehouse on a moto S3 server here
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from app.data.maintenance import compact, expire
 from app.data.table import ImageTable
 
-import _common  # noqa: F401  (puts the project on sys.path)
+import _common as common  # (puts the project on sys.path first)
 
 TOPIC = "behavior-images"
 T0 = 1_767_225_600_000
@@ -74,33 +82,111 @@ def measure(table: ImageTable) -> dict[str, float]:
     return {"ingest plan": plan, "train plan": files, "commit": time.perf_counter() - started}
 
 
+def open_table(root: str, name: str, catalog_dir: str) -> ImageTable:
+    """A fresh table under `root` (local or s3://), its SQLite catalog in `catalog_dir`."""
+    if "://" not in root:
+        return ImageTable.at(f"{root}/{name}")
+    return ImageTable.at(f"{root}/{name}", catalog=f"sqlite:///{catalog_dir}/{name}.db")
+
+
+def write_rows(count: int, first_offset: int) -> pa.Table:
+    """`count` preprocessed 32 px records over two event dates."""
+    offsets = np.arange(first_offset, first_offset + count)
+    rng = np.random.default_rng(first_offset)
+    return pa.table(
+        {
+            "kafka_partition": pa.array(np.zeros(count), pa.int32()),
+            "kafka_offset": pa.array(offsets, pa.int64()),
+            "user_id": [f"user-{o % 97}" for o in offsets],
+            "label": ["tap"] * count,
+            "event_time_ms": pa.array(T0 + (offsets % 2) * 86_400_000, pa.int64()),
+            "device_id": ["device-0"] * count,
+            "pixels": [rng.integers(0, 256, 32 * 32 * 3, dtype=np.uint8).tobytes() for _ in offsets],
+            "height": pa.array(np.full(count, 32), pa.int32()),
+            "width": pa.array(np.full(count, 32), pa.int32()),
+        }
+    )
+
+
+def write_part(args, root: str, catalog_dir: str) -> str:
+    """Part 2: rows/s of table commits vs a plain partitioned Parquet write of the same rows."""
+    import pyarrow.fs as pafs
+
+    table = open_table(root, "write", catalog_dir)
+    plain_fs, plain_root = pafs.FileSystem.from_uri(
+        f"{root}/plain" if "://" in root else f"file://{root}/plain"
+    )
+    batches = [write_rows(args.write_rows, i * args.write_rows) for i in range(args.repeats)]
+    state = {"table": 0, "plain": 0}
+
+    def to_table() -> dict:
+        rows = batches[state["table"]]
+        start = state["table"] * args.write_rows
+        began = time.perf_counter()
+        table.commit(rows, {0: (start, start + rows.num_rows)}, 0, TOPIC)
+        state["table"] += 1
+        return {"rows_per_s": rows.num_rows / (time.perf_counter() - began)}
+
+    def to_plain() -> dict:
+        rows = batches[state["plain"]]
+        dates = pc.cast(pc.cast(rows.column("event_time_ms"), pa.timestamp("ms", tz="UTC")), pa.date32())
+        began = time.perf_counter()
+        pq.write_to_dataset(
+            rows.append_column("event_date", dates),
+            plain_root,
+            partition_cols=["event_date"],
+            filesystem=plain_fs,
+            basename_template=f"part-{state['plain']}-{{i}}.parquet",
+        )
+        state["plain"] += 1
+        return {"rows_per_s": rows.num_rows / (time.perf_counter() - began)}
+
+    runs = common.alternate({"table": to_table, "plain": to_plain}, args.repeats, "write")
+    mine, plain = common.median_of(runs["table"], "rows_per_s"), common.median_of(runs["plain"], "rows_per_s")
+    print(f"write of {args.write_rows} rows (32 px): table {mine:.0f} rows/s, plain {plain:.0f} rows/s")
+    return common.goal_line("table commit rows/s vs plain write_to_dataset", mine / plain, 0.8)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10,1000,10000", help="history lengths, ascending")
     parser.add_argument("--upkeep-every", type=int, default=100)
     parser.add_argument("--baseline-max", type=int, default=1000)
+    parser.add_argument("--write-rows", type=int, default=2000, help="rows per commit in part 2")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of part 2")
+    parser.add_argument("--s3", action="store_true", help="the warehouse on a moto S3 server started here")
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="history-") as local:
+        if args.s3:
+            with common.s3_storage(None) as root:
+                run(args, root, local)
+        else:
+            run(args, local, local)
+
+
+def run(args, root: str, catalog_dir: str) -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
+    print(f"storage: {root}")
+    write_goal = write_part(args, root, catalog_dir)
 
     results: dict[str, dict[int, dict[str, float]]] = {"upkeep": {}, "plain": {}}
     for name, upkeep_every in (("upkeep", args.upkeep_every), ("plain", None)):
-        with tempfile.TemporaryDirectory(prefix=f"history-{name}-") as storage:
-            table = ImageTable.at(storage)
-            built = 0
-            for size in sizes:
-                if name == "plain" and size > args.baseline_max:
-                    break
-                started = time.perf_counter()
-                grow(table, built, size, upkeep_every)
-                built = size + 1  # measure() commits one more
-                results[name][size] = measure(table)
-                snapshots = len(table.load().snapshots())
-                print(
-                    f"{name:>6} {size:>6} commits ({snapshots} snapshots kept, built in "
-                    f"{time.perf_counter() - started:.0f} s): "
-                    + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in results[name][size].items()),
-                    flush=True,
-                )
+        table = open_table(root, f"history-{name}", catalog_dir)
+        built = 0
+        for size in sizes:
+            if name == "plain" and size > args.baseline_max:
+                break
+            started = time.perf_counter()
+            grow(table, built, size, upkeep_every)
+            built = size + 1  # measure() commits one more
+            results[name][size] = measure(table)
+            snapshots = len(table.load().snapshots())
+            print(
+                f"{name:>6} {size:>6} commits ({snapshots} snapshots kept, built in "
+                f"{time.perf_counter() - started:.0f} s): "
+                + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in results[name][size].items()),
+                flush=True,
+            )
 
     first, last = sizes[0], sizes[-1]
     for step in ("ingest plan", "train plan", "commit"):
@@ -118,6 +204,7 @@ def main() -> None:
         f"goal: planning at {last} commits ≤ 1.5× at {first}, with upkeep: {worst:.2f}× "
         f"({'PASS' if worst <= 1.5 else 'MISS'})"
     )
+    print(write_goal)
 
 
 if __name__ == "__main__":

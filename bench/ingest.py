@@ -32,15 +32,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
-import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 
 import _common as common
 from _common import ROOT, alternate, goal_line, median_of, print_table
@@ -328,7 +326,10 @@ def ingest_into(bootstrap: str, topic: str, storage: str) -> dict:
     from app.data.ingest import ingest
     from app.data.kafka import KafkaConnection
 
-    settings = Settings(topic=topic, storage=storage, image_size=32, model="cnn", partitions=4)
+    catalog = None if "://" not in storage else f"sqlite:///{tempfile.mkdtemp(prefix='catalog-')}/catalog.db"
+    settings = Settings(
+        topic=topic, storage=storage, catalog=catalog, image_size=32, model="cnn", partitions=4
+    )
     started = time.perf_counter()
     report = ingest(settings, IngestConfig(), KafkaConnection(bootstrap))
     seconds = time.perf_counter() - started
@@ -339,38 +340,9 @@ def ingest_into(bootstrap: str, topic: str, storage: str) -> dict:
     }
 
 
-@contextlib.contextmanager
-def s3_storage(uri: str | None) -> Iterator[str]:
-    """`uri` as given (AWS_ENDPOINT_URL and keys from the environment), or, without one, a bucket
-    on a moto S3 server started here on 127.0.0.1."""
-    if uri:
-        yield uri.rstrip("/")
-        return
-    from moto.server import ThreadedMotoServer
-
-    from app.net import free_port
-    from app.storage import s3_client
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per S3 request
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    os.environ.update(
-        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
-        AWS_REGION="us-east-1",
-    )
-    try:
-        s3_client().create_bucket(Bucket="argus-bench")
-        yield "s3://argus-bench/ingest"
-    finally:
-        server.stop()
-
-
 def storage_part(args, bootstrap: str, tmp, s3_root: str, tables: list, goals: list) -> None:
-    """The same topic ingested into local disk and into S3, alternating: the S3 commit path (data
-    files straight to their keys, the manifest by conditional put, the lease) against local disk."""
+    """The same topic ingested into local disk and into S3, alternating: the table's data and
+    metadata files on S3 (the catalog a local SQLite file) against local disk."""
     topic = f"bench-storage-{uuid.uuid4().hex[:6]}"
     pool32 = common.synthetic_pool(500, 32, seed=5)
     common.produce_records(bootstrap, topic, args.storage_records, pool32)
@@ -435,7 +407,7 @@ def main() -> int:
     with (
         common.scratch_dir("argus-bench-ingest-") as tmp,
         common.embedded_broker(tmp) as bootstrap,
-        s3_storage(args.storage) as s3_root,
+        common.s3_storage(args.storage) as s3_root,
     ):
         if "memory" not in skip:
             # First, before this process holds a Ray: the children start their own.

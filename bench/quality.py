@@ -227,14 +227,15 @@ def before_after_flags(choices: list[str] | None) -> tuple[tuple[str, list[str]]
     return ("default (old augmentation)", []), ("--no-augment", ["--no-augment"])
 
 
-def snapshot_counts(storage: Path, topic: str) -> tuple[int, int]:
-    from app.config import Settings
-    from app.data.snapshot import SnapshotStore
+def table_counts(storage: Path) -> tuple[int, int]:
+    """(rows, other offsets) in the table's current snapshot: every committed offset not a row went
+    to the dead letters (or was skipped or lost, which no bench record is)."""
+    from app.data.table import ImageTable
 
-    manifests = [
-        m for m in SnapshotStore.at(Settings(storage=str(storage)).uri()).manifests() if m.topic == topic
-    ]
-    return sum(m.records for m in manifests), sum(m.dlq for m in manifests)
+    table = ImageTable.at(str(storage), create=False)
+    snapshot_id = table.current_snapshot_id()
+    rows = table.scan(snapshot_id, ["kafka_offset"]).num_rows if snapshot_id is not None else 0
+    return rows, sum(table.committed().values()) - rows
 
 
 def evaluate_registered(storage: Path, version: str, test: list[Record]) -> dict:
@@ -267,7 +268,8 @@ def evaluate_registered(storage: Path, version: str, test: list[Record]) -> dict
 
 
 def check_split(result: dict, split) -> None:
-    """Say so when train split the snapshot other than the bench did (its test slice is then not ours)."""
+    """Say so when train split the table snapshot other than the bench did (its test slice is then
+    not ours)."""
     if result["split"] is None:
         print("  (the card records no split; the bench's own split is used)")
     elif result["split"] != split.to_dict():
@@ -449,9 +451,9 @@ def main() -> int:
         t = time.perf_counter()
         ingest_cli(bootstrap, "digits", digits_storage, args.image_size, logs, "digits-ingest")
         phase("digits: ingest (CLI)", t)
-        records_in, dead = snapshot_counts(digits_storage, "digits")
+        records_in, dead = table_counts(digits_storage)
         if (records_in, dead) != (len(digits), 0):
-            print(f"  WARNING: snapshot holds {records_in} records and {dead} dead letters of {len(digits)}")
+            print(f"  WARNING: the table holds {records_in} records and {dead} dead letters of {len(digits)}")
         argus = []
         for seed in range(args.seeds):  # seed 0 is train's default: no flag
             t = time.perf_counter()
@@ -512,10 +514,10 @@ def main() -> int:
             t = time.perf_counter()
             ingest_cli(bootstrap, "synthetic", synth_storage, args.image_size, logs, "synthetic-ingest")
             phase("synthetic: ingest (CLI)", t)
-            records_in, dead = snapshot_counts(synth_storage, "synthetic")
+            records_in, dead = table_counts(synth_storage)
             if (records_in, dead) != (len(records), 0):
                 print(
-                    f"  WARNING: snapshot holds {records_in} records, {dead} dead letters, of {len(records)}"
+                    f"  WARNING: the table holds {records_in} records, {dead} dead letters, of {len(records)}"
                 )
             synth_args = argparse.Namespace(**{**vars(args), "epochs": epochs})
             synthetic = {}

@@ -58,7 +58,7 @@ def register_untrained(tracking_uri: str, artifact_root: str, model: str, image_
             image_size=image_size,
             features=False,
             training_kind="bench-untrained",
-            snapshots=[],
+            lineage={},
             metrics={},
         )
         registry.register(tracking_uri, name, run.info.run_id, build_model(model, len(classes)).eval(), card)

@@ -11,11 +11,12 @@
    - plain: `torch.multiprocessing.spawn` of 2 processes, `init_process_group("gloo")`, `DDP(model)`.
    Images/s are timed between barriers after warm-up steps (trainer start-up is excluded and
    printed separately). Runs alternate Ray/plain; medians. Goal ≥ 0.95×.
-2. `--full-path`: `app.train.train` over a real snapshot (broker → produce → ingest → uint8
-   Parquet → Ray Data → TorchTrainer, augmentation off, as plain DDP has none), the images/s of its
-   training passes — data path, normalisation on the worker and steps, what plain DDP's number
-   covers — against plain DDP in the same run (goal ≥ 0.9×); the whole epoch's rate (adding the
-   validation pass, checksums and the checkpoint) and the default `--augment light` rate as info.
+2. `--full-path`: `app.train.train` over a real table snapshot (broker → produce → ingest → the
+   Iceberg table's uint8 Parquet → Ray Data → TorchTrainer, augmentation off, as plain DDP has
+   none), the images/s of its training passes — data path, normalisation on the worker and steps,
+   what plain DDP's number covers — against plain DDP in the same run (goal ≥ 0.9×); the whole
+   epoch's rate (adding the validation pass, checksums and the checkpoint) and the default
+   `--augment light` rate as info.
 3. bf16 autocast vs fp32 on this CPU: `train_epoch` in this process, same model, batch and
    threads, alternating; the issue says bf16 is ~40× slower here.
 4. `--nodes 2` (instead of 1-3): the Ray TorchTrainer run of 1. with 1-CPU workers on two Ray
@@ -339,7 +340,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--amp-models", default="cnn,resnet18", help="models for the bf16 vs fp32 comparison")
     parser.add_argument("--amp-steps", type=int, default=6)
-    parser.add_argument("--full-path", action="store_true", help="also time app.train.train over a snapshot")
+    parser.add_argument(
+        "--full-path", action="store_true", help="also time app.train.train over a table snapshot"
+    )
     parser.add_argument("--full-path-model", default="cnn")
     parser.add_argument("--full-path-records", type=int, default=3000)
     parser.add_argument("--full-path-epochs", type=int, default=2)

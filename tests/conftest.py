@@ -171,9 +171,9 @@ def root(tmp_path) -> Path:
 @pytest.fixture
 def snapshots(root):
     """The snapshot folders (the old layout) under `root`."""
-    from app.data.snapshot import SnapshotStore
+    from app.data.legacy import LegacySnapshots
 
-    return SnapshotStore.at(str(root))
+    return LegacySnapshots.at(str(root))
 
 
 @pytest.fixture
@@ -264,6 +264,9 @@ def settings_args(settings: Settings) -> list[str]:
         settings.model,
         "--partitions",
         str(settings.partitions),
+        *(["--catalog", settings.catalog] if settings.catalog else []),
+        "--table",
+        settings.table,
     ]
 
 

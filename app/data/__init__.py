@@ -1,10 +1,10 @@
-"""The data stage: devices' records in Kafka → preprocessed snapshots in storage.
+"""The data stage: devices' records in Kafka → the Iceberg table of behaviour images.
 
 Kafka clients and the record contract (`kafka`, `kafka_config`, `records`, `broker`), producing
-(`produce`, `synth`, `scenes`, `desktop`), preprocessing (`preprocess`), snapshots (`manifest`:
-what a commit records and its proof; `snapshot`: `SnapshotStore`, committing and verified reads;
-`integrity`; `sink`, `lease`), bulk ingest (`ingest`, reading with `kafka_range`, planned by
-`plan`), continuous ingest (`watch`, `stream` with `partitions`, `parts`, `lag`) and compaction
-(`compact`); the Iceberg table that replaces the snapshot folders (`catalog`, `table`, #25) and
-`migrate` from them. Later stages read only what `manifest` and `snapshot` expose.
+(`produce`, `synth`, `scenes`, `desktop`), preprocessing (`preprocess`), the table (`catalog`: where
+it lives and its schema; `table`: `ImageTable`, commits that carry the Kafka offsets and pinned
+reads; `maintenance`: compaction, expiry, orphans, erasure), bulk ingest (`ingest`, reading with
+`kafka_range`, planned by `plan`, written by `sink`, proven by `proof`), continuous ingest
+(`watch`, `stream` with `partitions`, `parts`, `lag`), and `migrate` from the old snapshot folders
+(`legacy`, which nothing else reads). Later stages read the table through `selection` alone.
 """

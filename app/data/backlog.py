@@ -1,10 +1,13 @@
-"""Lag from the broker's side (`argus lag`): per partition, the records between the ledger's next
-offset and the log's proven end, and the age of the oldest of them.
+"""Lag from the broker's side (`argus lag`): per partition, the records between the table's
+committed offset and the log's proven end, and the age of the oldest of them.
+
+    python -m app lag --once
 
 `watch` measures lag over what it has consumed, so it cannot see the broker's backlog, partitions
-paused during a lease handover, or itself when it is dead (its gauges vanish with it). This reads
-only Kafka and the ledger, so it tells the same story whether a watch runs or not; the alert rules
-(`monitoring/prometheus/argus-rules.yml`) compare it with the watch's own gauges.
+between two owners during a rebalance, or itself when it is dead (its gauges vanish with it). This
+reads only Kafka and the table's committed offsets (`ImageTable.committed`), so it tells the same
+story whether a watch runs or not; the alert rules (`monitoring/prometheus/argus-rules.yml`)
+compare it with the watch's own gauges.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from app import metrics
+from app.config import Settings
+from app.data.catalog import catalog_uri, open_catalog, warehouse_uri
 from app.data.kafka import KafkaConnection, partitions_of, probe_partitions
-from app.data.manifest import ledger_offsets, live_manifests
-from app.data.snapshot import SnapshotStore
+from app.data.table import ImageTable
 from app.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -39,7 +44,7 @@ class LagConfig:
 class PartitionBacklog:
     partition: int
     committed: int
-    """The ledger's next offset for the partition (0 when nothing was ever ingested)."""
+    """The table's committed (next) offset for the partition (0 when nothing was ever ingested)."""
     end: int
     """The log's proven end (last offset + 1)."""
     records: int
@@ -81,13 +86,25 @@ def _oldest_timestamps_ms(kafka: KafkaConnection, topic: str, starts: dict[int, 
         consumer.close()
 
 
+def existing_table(settings: Settings) -> ImageTable | None:
+    """The table of `settings`, or None while no writer has created it: measuring creates nothing
+    (a table made here would lack the columns the first ingest asks for)."""
+    uri, warehouse = catalog_uri(settings.storage, settings.catalog), warehouse_uri(settings.storage)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        return None
+    if not open_catalog(uri, warehouse).table_exists(settings.table):
+        return None
+    return ImageTable(uri, warehouse, settings.table, create=False)
+
+
 def measure_backlog(
-    kafka: KafkaConnection, snapshots: SnapshotStore, topic: str, now_s: float | None = None
+    kafka: KafkaConnection, table: ImageTable | None, topic: str, now_s: float | None = None
 ) -> list[PartitionBacklog]:
-    """Each partition's backlog: the ledger's next offsets against the log's proven ends."""
+    """Each partition's backlog: the table's committed offsets (none without a table) against the
+    log's proven ends."""
     partitions = partitions_of(kafka, topic)
     ends = probe_partitions(kafka, topic, partitions)
-    committed, _ = ledger_offsets(live_manifests(snapshots.manifests()), topic)
+    committed = table.committed() if table is not None else {}
     # Below the log start is retention's (lost, and counted as such by the next ingest), not backlog.
     starts = {p: max(committed.get(p, 0), ends[p].log_start) for p in partitions}
     waiting = {p: start for p, start in starts.items() if start < ends[p].end}
@@ -114,14 +131,16 @@ def export(topic: str, backlog: list[PartitionBacklog]) -> None:
 
 
 def run_lag(
-    snapshots: SnapshotStore, topic: str, cfg: LagConfig, kafka: KafkaConnection, stop: threading.Event
+    settings: Settings, cfg: LagConfig, kafka: KafkaConnection, stop: threading.Event
 ) -> list[PartitionBacklog]:
     """Measure and export every `interval_s` until `stop` (once with `cfg.once`); the last measure."""
+    topic, table = settings.topic, None
     while True:
-        backlog = measure_backlog(kafka, snapshots, topic)
+        table = table or existing_table(settings)
+        backlog = measure_backlog(kafka, table, topic)
         export(topic, backlog)
         total = sum(entry.records for entry in backlog)
         oldest = max((entry.oldest_age_s for entry in backlog), default=0.0)
-        log.info("%s: %d records behind the ledger, the oldest for %.1fs", topic, total, oldest)
+        log.info("%s: %d records behind the table, the oldest for %.1fs", topic, total, oldest)
         if cfg.once or stop.wait(cfg.interval_s):
             return backlog

@@ -12,6 +12,7 @@ Reading and committing the table is `app.data.table`'s.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from pyiceberg.catalog import Catalog
@@ -81,13 +82,27 @@ def warehouse_uri(storage: str) -> str:
     return f"{storage.rstrip('/')}/warehouse"
 
 
+def file_io_properties() -> dict[str, str]:
+    """S3 settings for PyIceberg's file IO, from the environment as AWS tools (and pyarrow, and
+    MLflow) read it: PyIceberg itself reads neither `AWS_ENDPOINT_URL` nor the region there, and
+    without a region it asks AWS where the bucket is."""
+    properties = {}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        properties["s3.endpoint"] = endpoint
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region or endpoint:
+        properties["s3.region"] = region or "us-east-1"
+    return properties
+
+
 def open_catalog(uri: str, warehouse: str, create: bool = True) -> Catalog:
     """The `argus` catalog at `uri`: REST for http(s), else a SQL catalog on that SQLAlchemy URI.
     Without `create`, a SQLite file that is not there is a ConfigError, not a new empty catalog."""
     if uri.startswith(("http://", "https://")):
         from pyiceberg.catalog.rest import RestCatalog
 
-        return RestCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse)
+        return RestCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse, **file_io_properties())
     from pyiceberg.catalog.sql import SqlCatalog
 
     if uri.startswith("sqlite:///"):  # SQLite creates the file, not the folder it goes in
@@ -98,7 +113,7 @@ def open_catalog(uri: str, warehouse: str, create: bool = True) -> Catalog:
             )
         path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        return SqlCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse)
+        return SqlCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse, **file_io_properties())
     except Exception as exc:  # a URI SQLAlchemy cannot parse or whose driver is absent
         raise ConfigError(f"--catalog {uri}: {type(exc).__name__}: {exc}") from exc
 
@@ -116,6 +131,7 @@ def table_schema(*, source: bool = False, features: bool = False) -> Schema:
         NestedField(8, "height", IntegerType(), required=True),
         NestedField(9, "width", IntegerType(), required=True),
         NestedField(10, "event_date", DateType(), required=True, doc="UTC date of event_time_ms"),
+        NestedField(14, "kafka_timestamp_ms", LongType(), required=False, doc="the record's Kafka timestamp"),
     ]
     if source:
         fields.append(NestedField(11, "source", BinaryType(), required=False, doc="the encoded image"))

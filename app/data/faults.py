@@ -1,6 +1,8 @@
 """Fault injection for the exactly-once tests: `ARGUS_FAULT=<point>` kills the process at that
-point of a commit (`after_write`, `before_manifest`, `before_commit`, `before_compact_manifest`),
-as a crash would, so a rerun can be checked to lose and duplicate nothing."""
+point of a table commit, as a crash would, so a rerun can be checked to lose and duplicate nothing:
+`after_write` (data files written and proven, nothing committed), `before_commit` (just before the
+catalog swap) and `after_commit` (committed, the consumer group's offsets not yet mirrored), in a
+bulk `ingest` and in each `watch` part alike."""
 
 from __future__ import annotations
 

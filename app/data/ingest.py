@@ -1,13 +1,15 @@
-"""Ingest: Kafka → Ray Data preprocessing → a snapshot (CONTRACT.md §2), exactly once.
+"""Ingest: Kafka → Ray Data preprocessing → one commit of the Iceberg table (CONTRACT.md §2),
+exactly once.
 
-    python -m app ingest                        # Kafka → Ray Data → <storage>/snapshots/<id>/
+    python -m app ingest                        # Kafka → Ray Data → argus.behavior_images
 
-Ingest holds the topic's lease (one writer at a time), reads every partition from where the last
-committed snapshot ended to its true end (`app.data.plan`; the read is `app.data.kafka_range`),
-preprocesses in an actor pool with the one transform training and serving share, writes Parquet
-straight into the snapshot's folder (`app.data.sink`), commits the manifest (one object, never
-overwritten: no rename, so S3 works as local disk does), and only then commits the offsets. The
-manifests are the offset ledger, so a run killed anywhere and rerun yields each record once.
+Ingest reads every partition from the table's committed offsets to its true end (`app.data.plan`;
+the read is `app.data.kafka_range`), preprocesses in an actor pool with the one transform training
+and serving share, writes the table's Parquet files from Ray Data's write tasks (`app.data.sink`),
+proves every offset landed once, and commits the files and the offsets together as one Iceberg
+snapshot, which the catalog takes only if the table is still where this ingest planned from. A
+writer that loses that race commits nothing and plans again; a run killed anywhere and rerun
+yields each record once. The consumer group's offsets only mirror the table's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pyarrow.parquet as pq
 from app import metrics
 from app.config import IngestConfig, Settings
 from app.data import kafka
+from app.data.catalog import dumps
 from app.data.faults import fault
 from app.data.kafka_range import (
     IO_TASK_CPUS,
@@ -32,12 +35,11 @@ from app.data.kafka_range import (
     read_ranges,
     streaming_blocks,
 )
-from app.data.lease import Lease, LeaseHeld
-from app.data.manifest import WriteSpec, build_manifest, new_snapshot_id
-from app.data.plan import check_no_overlap, pending_ranges, report_lost
+from app.data.plan import commit_ranges, pending_ranges, report_lost
 from app.data.preprocess import preprocess_batches
-from app.data.sink import SinkTarget, SnapshotSink
-from app.data.snapshot import SnapshotStore
+from app.data.proof import WriteStats, prove
+from app.data.sink import SinkTarget, TableSink
+from app.data.table import FEATURES_WEIGHTS_KEY, ImageTable, OffsetConflict
 from app.storage import Store
 
 log = logging.getLogger(__name__)
@@ -46,58 +48,67 @@ PROGRESS_INTERVAL_S = 10.0
 """How often a running ingest says how far its write has got."""
 
 
+PLAN_ATTEMPTS = 5
+"""Times an ingest plans again after another writer committed first, before it gives up."""
+
+
 @dataclass
 class IngestReport:
-    snapshot_id: str | None
+    snapshot_id: int | None
+    """The table snapshot this ingest committed; None when there was nothing new."""
     records: int
     dlq: int
     offsets: dict[int, tuple[int, int]]
     seconds: float
     value_bytes: int
-    held_by: str | None = None
-    """Set when another ingest held the lease, so this one wrote nothing."""
 
     def __str__(self) -> str:
-        if self.held_by is not None:
-            return f"another ingest is writing this topic's snapshots ({self.held_by}); nothing written"
         if self.snapshot_id is None:
-            return "nothing new to ingest: every partition is at its end; no snapshot written"
+            return "nothing new to ingest: every partition is at its end; nothing committed"
         ranges = ", ".join(f"p{p}:[{s},{e})" for p, (s, e) in sorted(self.offsets.items()))
         total = self.records + self.dlq
         return (
-            f"snapshot {self.snapshot_id}: {self.records} records, {self.dlq} to the DLQ, "
+            f"table snapshot {self.snapshot_id}: {self.records} records, {self.dlq} to the DLQ, "
             f"{total / max(self.seconds, 1e-9):.0f} records/s, "
             f"{self.value_bytes / max(self.seconds, 1e-9) / 1e6:.2f} MB/s in {self.seconds:.1f}s; "
             f"offsets {ranges}"
         )
 
 
-def write_spec(settings: Settings, cfg: IngestConfig) -> WriteSpec:
-    """What every snapshot an ingest or a watch of these settings commits records of itself."""
-    return WriteSpec(
-        topic=settings.topic,
-        dlq_topic=settings.dlq_topic,
-        image_size=settings.image_size,
-        classes=settings.classes,
-        features=cfg.features,
-        features_weights=cfg.weights,
-        allowed_lateness_s=cfg.allowed_lateness_s,
-        keep_source=cfg.keep_source,
+def open_table(settings: Settings, cfg: IngestConfig) -> ImageTable:
+    """The table every writer of these settings commits to, created on first use with the columns
+    `cfg` asks for (`source` with --keep-source, `features` with --features)."""
+    return ImageTable.at(
+        settings.storage,
+        settings.catalog,
+        settings.table,
+        source=cfg.keep_source,
+        features=bool(cfg.features),
     )
 
 
-def ingest_lease(store: Store, topic: str, ttl_s: float | None = None) -> Lease:
-    """The lease every writer of the topic's snapshots under the storage root `store` takes (ingest,
-    watch); partitions' and compaction's leases live under its folder."""
-    return Lease(store.child("leases", f"ingest-{topic}"), ttl_s=ttl_s)
+def commit_details(stats: WriteStats, dlq_topic: str, cfg: IngestConfig) -> dict[str, str]:
+    """What a commit's summary records beside the offsets: dead letters by reason, late and skipped
+    records, and with --features the backbone that computed them (CONTRACT.md §2 names the required
+    keys; these are Argus's own)."""
+    details = {
+        "argus.dlq.topic": dlq_topic,
+        "argus.dlq.errors": dumps(dict(stats.dlq_errors)),
+        "argus.records.late": str(stats.late),
+        "argus.kafka.skipped": str(stats.skipped),
+    }
+    if cfg.features:
+        details[FEATURES_WEIGHTS_KEY] = cfg.weights or ""
+    return details
 
 
 def ingest(settings: Settings, cfg: IngestConfig, connection: kafka.KafkaConnection) -> IngestReport:
-    """`python -m app ingest`: one bounded, exactly-once read of the topic into a new snapshot.
+    """`python -m app ingest`: one bounded, exactly-once read of the topic into one table commit.
 
-    Under the topic's lease: clean up what dead writers left, read [ledger end, proven end) into
-    Parquet under the new snapshot's folder, re-read the ledger, commit the manifest, then mirror
-    the offsets into the consumer group. A second ingest started meanwhile writes nothing."""
+    Plan from the table's committed offsets, read [committed, proven end) into uncommitted Parquet
+    files, prove every offset once, commit files and offsets as one snapshot (the catalog refuses
+    it if another writer committed these partitions first: then plan again), then mirror the
+    offsets into the consumer group."""
     started = time.perf_counter()
     if cfg.features and cfg.weights:
         from app.model import feature_backbone
@@ -106,44 +117,33 @@ def ingest(settings: Settings, cfg: IngestConfig, connection: kafka.KafkaConnect
     kafka.ensure_topics(
         connection, settings.topic, settings.dlq_topic, settings.partitions, settings.replication_factor
     )
-    snapshots = SnapshotStore.at(settings.uri())
-    lease = ingest_lease(snapshots.store, settings.topic, cfg.lease_ttl_s)
-    try:
-        with lease.held():
-            return _ingest_holding(settings, cfg, connection, snapshots, lease, started)
-    except LeaseHeld as exc:
-        log.warning("ingest of %s into %s skipped: %s", settings.topic, settings.storage, exc)
-        return IngestReport(None, 0, 0, {}, time.perf_counter() - started, 0, held_by=str(exc))
+    table = open_table(settings, cfg)
+    for attempt in range(1, PLAN_ATTEMPTS + 1):
+        try:
+            return _ingest_once(settings, cfg, connection, table, started)
+        except OffsetConflict as exc:
+            log.warning("ingest of %s: %s (attempt %d of %d)", settings.topic, exc, attempt, PLAN_ATTEMPTS)
+    raise RuntimeError(f"ingest of {settings.topic}: {PLAN_ATTEMPTS} plans in a row lost to other writers")
 
 
-def _ingest_holding(
+def _ingest_once(
     settings: Settings,
     cfg: IngestConfig,
     connection: kafka.KafkaConnection,
-    snapshots: SnapshotStore,
-    lease: Lease,
+    table: ImageTable,
     started: float,
 ) -> IngestReport:
     topic = settings.topic
-    manifests = snapshots.manifests()
-    snapshots.remove_uncommitted()  # their writers' leases expired: they are gone
-    pending = pending_ranges(snapshots, connection, topic, manifests)
+    pending = pending_ranges(table, connection, topic)
     if not pending.ranges:
         return IngestReport(None, 0, 0, {}, time.perf_counter() - started, 0)
     report_lost(topic, pending, strict=cfg.strict)
     ranges = pending.ranges
-
-    snapshot_id = new_snapshot_id()
-    log.info("ingesting %s offsets %s into %s", topic, ranges, snapshot_id)
+    log.info("ingesting %s offsets %s into %s", topic, ranges, table.identifier)
     target = SinkTarget(
-        snapshots.folder(snapshot_id),
-        snapshots.store.child("dlq"),
-        connection,
-        topic,
-        settings.dlq_topic,
-        cfg.dlq_max_bytes,
+        table, Store.at(settings.uri("dlq")), connection, topic, settings.dlq_topic, cfg.dlq_max_bytes
     )
-    sink = SnapshotSink(target)
+    sink = TableSink(target)
     if any(end > start for start, end in ranges.values()):  # else only lost offsets to record
         source = KafkaRangeDatasource(
             connection,
@@ -157,50 +157,63 @@ def _ingest_holding(
         with streaming_blocks():
             dataset = preprocess_batches(read_ranges(source), settings, cfg)
         offsets = sum(end - start for start, end in ranges.values())
-        with progress_lines(target.folder, offsets):
+        data = Store.at(f"{table.load().location().rstrip('/')}/data")
+        with progress_lines(data, offsets, since_s=time.time() - 1):
             dataset.write_datasink(
                 sink, ray_remote_args={"num_cpus": IO_TASK_CPUS}, concurrency=io_concurrency()
             )
-    manifest = build_manifest(
-        write_spec(settings, cfg), snapshot_id, ranges, pending.watermarks, sink.stats, pending.lost
-    )
-    skipped = sum(r.skipped for r in manifest.offsets.values())
-    if skipped:
+    stats = sink.stats
+    prove(ranges, stats)
+    if stats.skipped:
         log.info(
             "%d offsets of %s are transaction markers or compacted records: counted as skipped",
-            skipped,
+            stats.skipped,
             topic,
         )
-        metrics.inc("argus_offsets_skipped", skipped, topic=topic)
+        metrics.inc("argus_offsets_skipped", stats.skipped, topic=topic)
     fault("after_write")
-    check_no_overlap(snapshots, topic, ranges)
-    lease.check()
-    fault("before_manifest")
-    if not snapshots.commit(manifest):
-        raise RuntimeError(f"snapshot {snapshot_id} already has a manifest: another writer used this id")
+    watermarks = {p: max(pending.watermarks.get(p, 0), stats.event_max or 0) for p in ranges}
     fault("before_commit")
+    try:
+        snapshot_id = table.commit_files(
+            stats.files,
+            commit_ranges(pending),
+            stats.dlq,
+            topic,
+            lost=pending.lost,
+            watermarks=watermarks,
+            details=commit_details(stats, settings.dlq_topic, cfg),
+        )
+    except OffsetConflict:
+        _delete_uncommitted(table, stats)
+        raise
+    fault("after_commit")
     ends = {p: end for p, (_, end) in ranges.items()}
-    snapshots.write_offsets(cfg.group, topic, ends)
     kafka.commit_offsets(connection, cfg.group, topic, ends)
     report = IngestReport(
-        snapshot_id,
-        manifest.records,
-        manifest.dlq,
-        ranges,
-        time.perf_counter() - started,
-        manifest.value_bytes,
+        snapshot_id, stats.records, stats.dlq, ranges, time.perf_counter() - started, stats.value_bytes
     )
     _export_metrics(topic, report)
     return report
 
 
+def _delete_uncommitted(table: ImageTable, stats: WriteStats) -> None:
+    """Files written for a commit the catalog refused: no snapshot names them, nobody reads them."""
+    io = table.load().io
+    for data_file in stats.files:
+        io.delete(data_file.file_path)
+
+
 @contextlib.contextmanager
-def progress_lines(folder: Store, offsets: int, interval_s: float | None = None) -> Iterator[None]:
+def progress_lines(
+    folder: Store, offsets: int, interval_s: float | None = None, since_s: float | None = None
+) -> Iterator[None]:
     """While the block runs, a line every `interval_s` (PROGRESS_INTERVAL_S) with the records the
-    Parquet files in the snapshot `folder` hold so far: off a terminal, where Ray Data shows no
-    progress bar, the only live sign of a long ingest. Write tasks write each file whole, so every
-    footer read is of a complete file; dead letters are not in them, so the count may end below
-    `offsets`."""
+    Parquet files under `folder` (the table's data folder) hold so far, counting only files written
+    at or after `since_s` (epoch seconds; the committed ones are older): off a terminal, where Ray
+    Data shows no progress bar, the only live sign of a long ingest. Write tasks write each file
+    whole, so every footer read is of a complete file; dead letters are not in them, so the count
+    may end below `offsets`."""
     interval_s = PROGRESS_INTERVAL_S if interval_s is None else interval_s
     stop = threading.Event()
 
@@ -209,8 +222,11 @@ def progress_lines(folder: Store, offsets: int, interval_s: float | None = None)
         while not stop.wait(interval_s):
             try:
                 for info in folder.list(recursive=True):
-                    if info.path.endswith(".parquet") and info.path not in rows:
-                        rows[info.path] = pq.read_metadata(info.path, filesystem=folder.fs).num_rows
+                    if not info.path.endswith(".parquet") or info.path in rows:
+                        continue
+                    if since_s is not None and info.mtime is not None and info.mtime.timestamp() < since_s:
+                        continue
+                    rows[info.path] = pq.read_metadata(info.path, filesystem=folder.fs).num_rows
             except Exception as exc:  # storage busy or gone: lose a progress line, not the ingest
                 log.debug("ingest progress: %s", exc)
                 continue

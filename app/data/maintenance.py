@@ -33,7 +33,7 @@ from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.table.update import AssertRefSnapshotId, RemoveSnapshotsUpdate
 
 from app.data.catalog import FORMAT, FORMAT_KEY, dumps
-from app.data.table import COMMITTED_KEY, TOPIC_KEY, ImageTable, _committed, _nearest
+from app.data.table import COMMITTED_KEY, TOPIC_KEY, WATERMARKS_KEY, ImageTable, _committed, _nearest
 from app.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -110,11 +110,13 @@ class ErasureReport:
 
 def carried_summary(table: Table, base: Snapshot | None) -> dict[str, str]:
     """The Argus keys a maintenance commit repeats from its base: the committed offsets (an ingest
-    plans from the current snapshot), the topic and the format."""
+    plans from the current snapshot), the event-time watermarks, the topic and the format: expiry
+    may remove the commits that first held them."""
     summary = {FORMAT_KEY: str(FORMAT), COMMITTED_KEY: dumps(_committed(table, base))}
-    topic = _nearest(table, base, TOPIC_KEY)
-    if topic is not None:
-        summary[TOPIC_KEY] = topic
+    for key in (TOPIC_KEY, WATERMARKS_KEY):
+        value = _nearest(table, base, key)
+        if value is not None:
+            summary[key] = value
     return summary
 
 

@@ -19,9 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from app.data.integrity import CorruptSnapshot
-from app.data.manifest import PIXELS, Manifest, live_manifests
-from app.data.snapshot import SnapshotStore, read_rows
+from app.data.legacy import PIXELS, CorruptSnapshot, LegacySnapshots, Manifest, live_manifests
 from app.data.table import ImageTable
 from app.errors import ConfigError
 
@@ -57,7 +55,9 @@ class Migration:
         return "\n".join(lines)
 
 
-def migrate(snapshots: SnapshotStore, storage: str, catalog: str | None, table: str, topic: str) -> Migration:
+def migrate(
+    snapshots: LegacySnapshots, storage: str, catalog: str | None, table: str, topic: str
+) -> Migration:
     """Import the live snapshots of `topic` under `snapshots` into `table` (catalog `catalog`,
     warehouse under `storage`), created with `source`/`features` columns when the snapshots have them."""
     try:
@@ -67,7 +67,7 @@ def migrate(snapshots: SnapshotStore, storage: str, catalog: str | None, table: 
 
 
 def _migrate(
-    snapshots: SnapshotStore, storage: str, catalog: str | None, table: str, topic: str
+    snapshots: LegacySnapshots, storage: str, catalog: str | None, table: str, topic: str
 ) -> Migration:
     manifests = snapshots.manifests()
     live = [m for m in live_manifests(manifests) if m.topic == topic and m.offsets]
@@ -133,7 +133,7 @@ def _gap(pending: list[Manifest], position: dict[int, int], report: Migration) -
     )
 
 
-def table_rows(snapshots: SnapshotStore, manifest: Manifest) -> pa.Table:
+def table_rows(snapshots: LegacySnapshots, manifest: Manifest) -> pa.Table:
     """A snapshot's rows in the table's columns, read through its manifest (every file's digest
     checked): pixels from channel-first [3, S, S] to row-major S x S x 3 bytes."""
     if not manifest.files:  # every offset a dead letter or skipped: the sink wrote no file
@@ -142,7 +142,7 @@ def table_rows(snapshots: SnapshotStore, manifest: Manifest) -> pa.Table:
         )
     columns = ["partition", "offset", "key", "label", "event_time", "device_id", "image"]
     columns += [name for name, kept in (("source", manifest.source), ("features", manifest.features)) if kept]
-    raw = read_rows([snapshots.uri(manifest.snapshot_id)], columns)
+    raw = snapshots.read_rows(manifest, columns)
     images = raw.column("image").combine_chunks().to_numpy()
     count, _, height, width = images.shape if images.size else (0, 3, 0, 0)
     pixels = np.ascontiguousarray(images.transpose(0, 2, 3, 1)).reshape(count, -1)

@@ -1,10 +1,13 @@
 """Continuous ingest's write side: micro-batches cut into *parts*, written by a warm actor pool and
-committed in cut order (`app.data.stream` feeds it and fences its commits).
+committed to the table in cut order (`app.data.stream` feeds it).
 
-A part is a snapshot like any other: its own folder and `_manifest.json` under `<storage>/snapshots/`,
-its offsets proven once each by `build_manifest`, committed by the one create-once manifest write.
-Records are cut by size (`--max-batch-records`) or by the age of the batch's first record
-(`--max-batch-delay-s`); at most `--max-in-flight` parts are written at once.
+A part is one Iceberg commit, like a bulk ingest: the `PartWriter` actors preprocess its rows and
+write the table's data files uncommitted (`app.data.sink.write_blocks`), the driver proves every
+offset of its ranges once (`app.data.proof.prove`) and commits files and offsets together
+(`ImageTable.commit_files`), which the catalog takes only if each partition is still committed
+exactly where the part's range starts. Records are cut by size (`--max-batch-records`) or by the
+age of the batch's first record (`--max-batch-delay-s`); at most `--max-in-flight` parts are
+written at once.
 """
 
 from __future__ import annotations
@@ -12,50 +15,59 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 import ray
 
 from app import metrics
-from app.config import IngestConfig
+from app.config import IngestConfig, Settings
 from app.data import kafka
-from app.data.compact import new_part_id
 from app.data.faults import fault
-from app.data.manifest import Manifest, WriteSpec, WriteStats, build_manifest
+from app.data.ingest import commit_details
+from app.data.partitions import Restart
 from app.data.preprocess import PREPROCESS_ACTOR_CPUS, Preprocessor
-from app.data.sink import SinkTarget, write_snapshot_blocks
-from app.data.snapshot import SnapshotStore
+from app.data.proof import WriteStats, prove
+from app.data.sink import SinkTarget, write_blocks
+from app.data.table import ImageTable, OffsetConflict
 
 log = logging.getLogger(__name__)
 
 STRING_COLUMNS = ("key", "label", "device_id", "schema")
+WRITER_KEY = "argus.writer"
+"""Summary key naming the watch that committed a part (`watch <host>:<pid>`): who wrote what."""
+DISCARD_WAIT_S = 30.0
+"""How long a restart waits for parts still being written, to delete their files (later ones are
+left to the watch's orphan removal)."""
 
 
 class PartWriter:
-    """A long-lived actor: preprocess one chunk of raw rows and write it into a part's folder.
+    """A long-lived actor: preprocess one chunk of raw rows and write it as uncommitted data files
+    of the table (and its dead letters to the DLQ topic).
 
-    Keeping the actor (and the torch import and model inside its Preprocessor) across parts is
-    the point: a Ray Data job per micro-batch paid seconds of start-up each time."""
+    Keeping the actor (and the torch import and model inside its Preprocessor, and the table's
+    catalog) across parts is the point: a Ray Data job per micro-batch paid seconds of start-up
+    each time."""
 
-    def __init__(self, **preprocessor_kwargs):
+    def __init__(self, target: SinkTarget, **preprocessor_kwargs):
+        self.target = target
         self.preprocessor = Preprocessor(**preprocessor_kwargs)
 
     def ready(self) -> bool:
         return True
 
-    def write(self, raw: pa.Table, target: SinkTarget, task_name: str) -> WriteStats:
+    def write(self, raw: pa.Table) -> WriteStats:
         from ray.data.block import BlockAccessor
 
         out = self.preprocessor(BlockAccessor.for_block(raw).to_batch_format("numpy"))
         block = BlockAccessor.batch_to_block(out)
-        # An all-null column (unlabelled traffic) would be typed null; readers expect strings.
+        # An all-null column (unlabelled traffic) would be typed null; the table's are strings.
         for name in STRING_COLUMNS:
             if name in block.column_names and pa.types.is_null(block.schema.field(name).type):
                 i = block.column_names.index(name)
                 block = block.set_column(i, name, pa.nulls(block.num_rows, pa.string()))
-        return write_snapshot_blocks([block], target, task_name)
+        return write_blocks([block], self.target)
 
 
 @dataclass
@@ -98,30 +110,40 @@ class Batch:
 class Part:
     """A cut micro-batch being written by the pool."""
 
-    part_id: str
+    number: int
     ranges: dict[int, tuple[int, int]]
+    """Per partition [first offset read, next to read): what the proof covers."""
     watermarks: dict[int, int]
     lost: dict[int, int]
+    """Offsets retention deleted unread just below a range's start, recorded by this commit."""
     refs: list
     oldest_ms: int | None
     records: int
     per_partition: dict[int, int]
     cut_at: float
 
+    def commit_ranges(self) -> dict[int, tuple[int, int]]:
+        """The ranges the commit records: each from the table's committed offset, the lost span
+        at its start included (`app.data.plan.commit_ranges`)."""
+        return {p: (start - self.lost.get(p, 0), end) for p, (start, end) in self.ranges.items()}
+
+
+def delete_files(table: ImageTable, files: Iterable) -> None:
+    """Data files written for a commit that never happened: no snapshot names them, nobody reads them."""
+    io = table.load().io
+    for data_file in files:
+        try:
+            io.delete(data_file.file_path)
+        except FileNotFoundError:
+            pass
+
 
 class PartPipeline:
     """The pool of `PartWriter` actors and the parts in flight, committed oldest first."""
 
-    def __init__(
-        self,
-        snapshots: SnapshotStore,
-        spec: WriteSpec,
-        ingest_cfg: IngestConfig,
-        connection: kafka.KafkaConnection,
-        owner: str,
-    ):
-        self.snapshots, self.spec, self.ingest_cfg = snapshots, spec, ingest_cfg
-        self.connection, self.owner = connection, owner
+    def __init__(self, target: SinkTarget, settings: Settings, ingest_cfg: IngestConfig, writer: str):
+        self.target, self.settings, self.ingest_cfg, self.writer = target, settings, ingest_cfg, writer
+        self.table: ImageTable = target.table
         self.in_flight: deque[Part] = deque()
         self.pool: list = []
         self.cuts = 0
@@ -140,8 +162,9 @@ class PartPipeline:
         actor = ray.remote(PartWriter).options(**options)
         self.pool = [
             actor.remote(
-                image_size=self.spec.image_size,
-                classes=self.spec.classes,
+                self.target,
+                image_size=self.settings.image_size,
+                classes=self.settings.classes,
                 max_record_bytes=cfg.max_record_bytes,
                 features=cfg.features,
                 weights=cfg.weights,
@@ -153,8 +176,25 @@ class PartPipeline:
         ray.get([a.ready.remote() for a in self.pool])
 
     def close(self) -> None:
+        """Drop the parts not committed (their files deleted) and the pool."""
+        self.discard()
         for actor in self.pool:
             ray.kill(actor)
+
+    def discard(self, wait_s: float = DISCARD_WAIT_S) -> None:
+        """Forget every part in flight, deleting the data files of those whose writes finish
+        within `wait_s` (a write still running then leaves its files to orphan removal)."""
+        refs = [ref for part in self.in_flight for ref in part.refs]
+        self.in_flight.clear()
+        if not refs:
+            return
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        for ref in ready:
+            try:
+                stats = ray.get(ref)
+            except Exception:  # a failed write: whatever it wrote is an orphan now
+                continue
+            delete_files(self.table, stats.files)
 
     def cut(
         self, batch: Batch, next_offset: dict[int, int], watermarks: dict[int, int], lost: dict[int, int]
@@ -165,15 +205,6 @@ class PartPipeline:
         ranges = {p: (start, next_offset[p]) for p, start in batch.starts.items()}
         for p in lost:
             ranges.setdefault(p, (next_offset[p], next_offset[p]))
-        part_id = new_part_id(self.owner)
-        target = SinkTarget(
-            self.snapshots.folder(part_id),
-            self.snapshots.store.child("dlq"),
-            self.connection,
-            self.spec.topic,
-            self.spec.dlq_topic,
-            self.ingest_cfg.dlq_max_bytes,
-        )
         refs = []
         n = len(batch)
         if n:
@@ -183,7 +214,7 @@ class PartPipeline:
             step = -(-n // chunks)
             for i, lo in enumerate(range(0, n, step)):
                 actor = self.pool[(self.cuts + i) % len(self.pool)]
-                refs.append(actor.write.remote(table.slice(lo, step), target, f"{i:05d}"))
+                refs.append(actor.write.remote(table.slice(lo, step)))
         per_partition: dict[int, int] = {}
         for p, gap_end in zip(batch.rows["partition"], batch.rows["gap_end"]):
             if gap_end is None:
@@ -191,10 +222,10 @@ class PartPipeline:
         self.cuts += 1
         self.in_flight.append(
             Part(
-                part_id,
+                self.cuts,
                 ranges,
-                dict(watermarks),
-                lost,
+                {p: watermarks[p] for p in ranges if p in watermarks},
+                dict(lost),
                 refs,
                 batch.oldest_ms,
                 batch.records,
@@ -203,15 +234,11 @@ class PartPipeline:
             )
         )
 
-    def commit_ready(
-        self,
-        fence: Callable[[Part], None],
-        on_commit: Callable[[Part, Manifest], None],
-        wait_s: float = 0.0,
-    ) -> None:
-        """Commit finished parts, oldest first: a later part committed before an earlier one would
-        move the ledger's end past offsets that are not durable. `fence(part)` raises unless this
-        writer may still commit the part's partitions; `on_commit` follows each commit."""
+    def commit_ready(self, on_commit: Callable[[Part], None], wait_s: float = 0.0) -> None:
+        """Commit finished parts, oldest first: each starts where the one before it ends, so the
+        table takes them only in cut order. `on_commit` follows each commit. A part the table
+        refuses (another writer committed one of its partitions first) is dropped with every part
+        after it: `Restart`."""
         while self.in_flight:
             head = self.in_flight[0]
             if head.refs:
@@ -219,25 +246,50 @@ class PartPipeline:
                 if len(ready) < len(head.refs):
                     return
             stats = WriteStats()
-            for task_stats in ray.get(head.refs):
+            for task_stats in ray.get(head.refs) if head.refs else []:
                 stats.merge(task_stats)
-            manifest = build_manifest(self.spec, head.part_id, head.ranges, head.watermarks, stats, head.lost)
-            fault("after_write")
-            fence(head)
-            if not self.snapshots.commit(manifest):
-                raise RuntimeError(f"part {head.part_id} already has a manifest: another writer used this id")
-            fault("before_commit")
+            try:
+                snapshot_id = self.commit(head, stats)
+            except Restart:
+                self.in_flight.popleft()  # refused, its files deleted already
+                raise
             self.in_flight.popleft()
             self.committed_parts += 1
-            on_commit(head, manifest)
-            topic = self.spec.topic
+            on_commit(head)
+            topic = self.target.topic
             metrics.inc("argus_watch_parts", topic=topic)
-            metrics.inc("argus_records_ingested", manifest.records, topic=topic)
-            metrics.inc("argus_dlq_records", manifest.dlq, topic=topic)
+            metrics.inc("argus_records_ingested", stats.records, topic=topic)
+            metrics.inc("argus_dlq_records", stats.dlq, topic=topic)
+            if stats.skipped:
+                metrics.inc("argus_offsets_skipped", stats.skipped, topic=topic)
             log.debug(
-                "part %s: %d records, %d dead letters, offsets %s",
-                head.part_id,
-                manifest.records,
-                manifest.dlq,
+                "part %d: table snapshot %d, %d records, %d dead letters, offsets %s",
+                head.number,
+                snapshot_id,
+                stats.records,
+                stats.dlq,
                 head.ranges,
             )
+
+    def commit(self, part: Part, stats: WriteStats) -> int:
+        """Prove `part` (written as `stats` says) and commit it; its table snapshot id. Restart,
+        its files deleted, when another writer committed one of its partitions first."""
+        prove(part.ranges, stats)  # every offset read is a row, a dead letter or a skipped offset
+        fault("after_write")
+        details = {**commit_details(stats, self.target.dlq_topic, self.ingest_cfg), WRITER_KEY: self.writer}
+        fault("before_commit")
+        try:
+            snapshot_id = self.table.commit_files(
+                stats.files,
+                part.commit_ranges(),
+                stats.dlq,
+                self.target.topic,
+                lost=part.lost,
+                watermarks=part.watermarks,
+                details=details,
+            )
+        except OffsetConflict as exc:
+            delete_files(self.table, stats.files)
+            raise Restart(f"part {part.number} of {self.target.topic} not committed: {exc}") from exc
+        fault("after_commit")
+        return snapshot_id

@@ -1,42 +1,44 @@
-"""Ingest's write side: a Ray Data sink whose write tasks put good rows into Parquet files under the
-snapshot's folder (recording each file's size and SHA-256 for the manifest) and publish dead letters,
-and return the accounting the manifest's proof is built from (`app.data.manifest.WriteStats`).
+"""Ingest's write side: a Ray Data sink whose write tasks put good rows into the table's Parquet
+files (written, not yet committed: `ImageTable.write_files`) and publish dead letters, and return
+the accounting the commit's proof is built from (`app.data.proof.WriteStats`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
 from app.data import kafka
-from app.data.manifest import DataFile, WriteStats, event_date
+from app.data.proof import WriteStats
 from app.data.records import record_headers
+from app.data.selection import hwc_bytes
+from app.data.table import ImageTable
 from app.storage import Store
 
 
-class SnapshotSink(Datasink):
-    """Ray Data sink: good rows → Parquet files straight under the snapshot's folder, by event date
-    (invisible until the manifest commits them); dead letters → `<topic>.dlq` with `error` and
-    `error_reason` headers and their source coordinates (too large for the topic: the bytes to
-    `<storage>/dlq/`, a pointer record to the topic)."""
+class TableSink(Datasink):
+    """Ray Data sink: good rows → the table's Parquet files, by event date (invisible until the
+    driver commits them); dead letters → `<topic>.dlq` with `error` and `error_reason` headers and
+    their source coordinates (too large for the topic: the bytes to `<storage>/dlq/`, a pointer
+    record to the topic)."""
 
     def __init__(self, target: SinkTarget):
         self.target = target
         self.stats = WriteStats()
 
     def get_name(self):
-        return "Snapshot"
+        return "ImageTable"
 
     def write(self, blocks, ctx) -> WriteStats:
-        return write_snapshot_blocks(blocks, self.target, f"{ctx.task_idx:05d}")
+        return write_blocks(blocks, self.target)
 
     def on_write_complete(self, write_result):
-        # Runs on the driver's instance: the per-task accounting becomes the manifest.
+        # Runs on the driver's instance: the per-task accounting becomes the commit.
         for task_stats in write_result.write_returns:
             self.stats.merge(task_stats)
 
@@ -45,8 +47,7 @@ class SnapshotSink(Datasink):
 class SinkTarget:
     """Where one ingest's write tasks put what they write."""
 
-    folder: Store
-    """The snapshot's folder."""
+    table: ImageTable
     dlq: Store
     """`<storage>/dlq/`, for dead letters too large for the DLQ topic."""
     connection: kafka.KafkaConnection
@@ -86,13 +87,39 @@ def _dead_letter(row: dict, target: SinkTarget) -> tuple[bytes, list[tuple[str, 
     return b"", headers
 
 
-def write_snapshot_blocks(blocks, target: SinkTarget, task_name: str) -> WriteStats:
-    """One write task: Parquet files (size and SHA-256 recorded for the manifest), dead letters,
-    and the accounting the manifest is built from."""
+def table_rows(good: pa.Table) -> pa.Table:
+    """Preprocessed good rows (`app.data.preprocess`) as the table's columns (CONTRACT.md §2)."""
+    accessor = BlockAccessor.for_block(good)
+    images = accessor.to_numpy("image")
+    size = images.shape[-1]
+    columns = {
+        "kafka_partition": good.column("partition").cast(pa.int32()),
+        "kafka_offset": good.column("offset").cast(pa.int64()),
+        # "" for a record without a key or device id (a column of only those is Arrow's null type)
+        "user_id": pc.fill_null(good.column("key").cast(pa.string()), ""),
+        "label": good.column("label").cast(pa.string()),
+        # int64 in Kafka; a batch that also held gap rows (no event time) may carry them as double.
+        "event_time_ms": good.column("event_time").cast(pa.int64()),
+        "device_id": pc.fill_null(good.column("device_id").cast(pa.string()), ""),
+        "pixels": pa.array(hwc_bytes(images), pa.binary()),
+        "height": pa.array([size] * good.num_rows, pa.int32()),
+        "width": pa.array([size] * good.num_rows, pa.int32()),
+        "kafka_timestamp_ms": good.column("kafka_timestamp").cast(pa.int64()),
+    }
+    if "source" in good.column_names:
+        columns["source"] = good.column("source")
+    if "features" in good.column_names:
+        features = np.asarray(accessor.to_numpy("features"), dtype=np.float32)
+        columns["features"] = pa.array(list(features), pa.list_(pa.float32()))
+    return pa.table(columns)
+
+
+def write_blocks(blocks, target: SinkTarget) -> WriteStats:
+    """One write task: the table's data files (uncommitted), dead letters, and the accounting the
+    commit's proof is built from."""
     stats = WriteStats()
     producer = None
     failures: list[BaseException] = []
-    part = 0
     try:
         for block in blocks:
             table = BlockAccessor.for_block(block).to_arrow()
@@ -130,21 +157,11 @@ def write_snapshot_blocks(blocks, target: SinkTarget, task_name: str) -> WriteSt
             good = table.filter(records)
             if good.num_rows == 0:
                 continue
-            good = good.drop_columns(["error", "reason", "value", "value_size", "gap_end"])
-            event_times = good.column("event_time").to_pylist()
-            dates = [event_date(t) for t in event_times]
+            event_times = good.column("event_time").cast(pa.int64())
             stats.labels.update(label for label in good.column("label").to_pylist() if label is not None)
-            stats.late += sum(good.column("late").to_pylist())
-            stats.add_event_times(min(event_times), max(event_times))
-            good = good.append_column("event_date", pa.array(dates, pa.string()))
-            for date in sorted(set(dates)):
-                subset = good.filter(pc.equal(good.column("event_date"), date)).drop_columns(["event_date"])
-                relative = f"event_date={date}/part-{task_name}-{part:04d}.parquet"
-                buffer = pa.BufferOutputStream()
-                pq.write_table(subset, buffer)
-                digest = target.folder.write(relative, buffer.getvalue().to_pybytes())
-                stats.files.append(DataFile(relative, digest.size, digest.sha256))
-                part += 1
+            stats.late += pc.sum(good.column("late")).as_py() or 0
+            stats.add_event_times(pc.min(event_times).as_py(), pc.max(event_times).as_py())
+            stats.files.extend(target.table.write_files(table_rows(good)))
         if producer is not None:
             producer.flush()
     finally:

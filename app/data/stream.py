@@ -1,14 +1,16 @@
-"""Continuous ingest: one long-lived pipeline from Kafka to small committed parts (`watch`).
+"""Continuous ingest: one long-lived pipeline from Kafka to small table commits (`watch`).
 
     python -m app watch --max-batch-delay-s 1 --lag-alert-s 5
 
 One consumer, a member of the consumer group (`--group`), reads the partitions the group assigns
-it (`app.data.partitions`: their leases and read positions); a fixed pool of actors preprocesses
-and writes micro-batches as parts, committed in cut order (`app.data.parts`); lag is measured at
-every turn and alerts when it stays high (`app.data.lag`). Offsets advance only with a part's
-commit, so a watch killed anywhere and restarted resumes at the ledger's end: each offset once
-(CONTRACT.md §2). On revocation it commits every part already cut, drops the open batch's rows of
-the revoked partitions (their new owner reads them again) and only then releases their leases.
+it from the table's committed offsets (`app.data.partitions`); a fixed pool of actors preprocesses
+and writes micro-batches as parts, each committed to the table in cut order (`app.data.parts`);
+lag is measured at every turn and alerts when it stays high (`app.data.lag`). Offsets advance
+only with a part's commit, so a watch killed anywhere and restarted resumes at the table's
+committed offsets: each offset once (CONTRACT.md §2). On revocation it commits every part already
+cut and drops the open batch's rows of the revoked partitions (their new owner reads them again).
+A part the table refuses (another writer committed one of its partitions first) ends the pipeline
+(`Restart`): `app.data.watch` starts it over from the table.
 """
 
 from __future__ import annotations
@@ -17,15 +19,14 @@ import logging
 import time
 from pathlib import Path
 
-from app.config import IngestConfig
+from app.config import IngestConfig, Settings
 from app.data import kafka
-from app.data.compact import remove_abandoned
 from app.data.lag import LagMonitor
-from app.data.lease import SharedLease
-from app.data.manifest import Manifest, WriteSpec, ledger_offsets
 from app.data.partitions import Partitions, Restart
 from app.data.parts import Batch, Part, PartPipeline
-from app.data.snapshot import SnapshotStore
+from app.data.sink import SinkTarget
+from app.data.table import ImageTable
+from app.storage import Store
 
 log = logging.getLogger(__name__)
 
@@ -38,26 +39,33 @@ class Stream:
 
     def __init__(
         self,
-        snapshots: SnapshotStore,
-        spec: WriteSpec,
+        table: ImageTable,
+        settings: Settings,
         cfg,
         ingest_cfg: IngestConfig,
         connection: kafka.KafkaConnection,
-        hold: SharedLease,
+        lag: LagMonitor,
+        writer: str,
         stop,
     ):
-        self.snapshots, self.cfg, self.ingest_cfg = snapshots, cfg, ingest_cfg
-        self.connection, self.hold, self.stop = connection, hold, stop
-        self.topic = spec.topic
-        self.partitions = Partitions(snapshots, connection, self.topic, hold, strict=ingest_cfg.strict)
-        self.pipeline = PartPipeline(snapshots, spec, ingest_cfg, connection, hold.owner)
-        self.lag = LagMonitor(self.topic, cfg.lag_alert_s, cfg.lag_alert_for_s)
+        self.cfg, self.ingest_cfg, self.connection = cfg, ingest_cfg, connection
+        self.lag, self.writer, self.stop = lag, writer, stop
+        self.topic = settings.topic
+        self.partitions = Partitions(table, connection, self.topic, strict=ingest_cfg.strict)
+        target = SinkTarget(
+            table,
+            Store.at(settings.uri("dlq")),
+            connection,
+            self.topic,
+            settings.dlq_topic,
+            ingest_cfg.dlq_max_bytes,
+        )
+        self.pipeline = PartPipeline(target, settings, ingest_cfg, writer)
         self.batch = Batch()
         self.closing = False
+        self.consumer = None
 
     def _start(self) -> None:
-        self.snapshots.manifests()  # refuses to start over a manifest it cannot read
-        remove_abandoned(self.snapshots, self.hold)  # folders of writers that died before committing
         self.pipeline.start()
         # One consumer for the watch's life. fetch.wait.max.ms bounds how long a record waits at the
         # broker for company; a bounded read's 10 ms would make an idle consumer spin.
@@ -73,7 +81,7 @@ class Stream:
             "watching %s in group %s as %s with %d preprocessing actors",
             self.topic,
             self.ingest_cfg.group,
-            self.hold.owner,
+            self.writer,
             len(self.pipeline.pool),
         )
 
@@ -82,10 +90,10 @@ class Stream:
 
     def _on_revoke(self, consumer, partitions) -> None:
         if self.closing:
-            return  # stopping: its leases are released without another commit
+            return  # stopping: nothing commits from here on
         revoked = {tp.partition for tp in partitions}
         deadline = time.monotonic() + DRAIN_S
-        while self.pipeline.in_flight:  # cut parts commit first: a new owner must not read them again
+        while self.pipeline.in_flight:  # cut parts commit first, or the new owner's or theirs is refused
             if time.monotonic() > deadline:
                 raise Restart(f"parts of {self.topic} did not commit within {DRAIN_S:.0f}s of a rebalance")
             self._commit_ready(wait_s=0.5)
@@ -101,7 +109,7 @@ class Stream:
         for message in messages:
             p = message.partition()
             if p not in state.owned:
-                continue  # fetched before a revocation or while its lease was another's
+                continue  # fetched before a revocation
             if message.error():
                 if message.error().code() == KafkaError._PARTITION_EOF:
                     state.at_end[p] = True
@@ -138,25 +146,31 @@ class Stream:
         self.pipeline.cut(batch, state.next_offset, state.watermarks, lost)
 
     def _commit_ready(self, wait_s: float = 0.0) -> None:
-        # fencing: a watch that lost a partition's lease must not commit its offsets
-        self.pipeline.commit_ready(
-            lambda part: self.partitions.fence(part.ranges), self._committed, wait_s=wait_s
-        )
+        self.pipeline.commit_ready(self._committed, wait_s=wait_s)
 
-    def _committed(self, part: Part, manifest: Manifest) -> None:
-        from confluent_kafka import TopicPartition
+    def _committed(self, part: Part) -> None:
+        self.partitions.committed.update({p: end for p, (_, end) in part.ranges.items()})
+        self._mirror(asynchronous=True)
+
+    def _mirror(self, asynchronous: bool) -> None:
+        """The table is the commit; the group's offsets only mirror it, for Kafka's own lag tools."""
+        from confluent_kafka import KafkaException, TopicPartition
 
         committed = self.partitions.committed
-        committed.update({p: end for p, (_, end) in part.ranges.items()})
-        # The manifest is the commit; Kafka's group offsets only mirror it for lag tools.
-        self.consumer.commit(
-            offsets=[TopicPartition(self.topic, p, e) for p, e in committed.items()], asynchronous=True
-        )
-
-    def run(self) -> int:
-        """Until `stop` is set or `max_ticks` parts committed; the number of lag alerts fired."""
-        self._start()
+        if not committed:
+            return
         try:
+            self.consumer.commit(
+                offsets=[TopicPartition(self.topic, p, e) for p, e in committed.items()],
+                asynchronous=asynchronous,
+            )
+        except KafkaException as exc:  # a rebalance under way: the next commit mirrors them
+            log.info("group offsets of %s not mirrored: %s", self.topic, exc)
+
+    def run(self) -> None:
+        """Until `stop` is set or `max_ticks` parts committed; `Restart` when the table refused a part."""
+        try:
+            self._start()
             while not self.stop.is_set():
                 paused = self.cfg.pause_file is not None and Path(self.cfg.pause_file).exists()
                 # Backpressure: a full batch that cannot be cut yet stops fetching (the oldest
@@ -168,22 +182,15 @@ class Stream:
                 if self._due(paused):
                     self._cut()
                 self._commit_ready()
-                self.partitions.take_waiting(self.consumer)
                 self.lag.observe(self.batch, self.pipeline.in_flight, self.partitions.owned)
                 if self.cfg.max_ticks is not None and self.pipeline.committed_parts >= self.cfg.max_ticks:
                     break
             # Stopping: what is cut becomes durable; the open batch is read again next time.
             while self.pipeline.in_flight:
                 self._commit_ready(wait_s=1.0)
-            if self.partitions.committed:  # the whole ledger: other watches commit the other partitions
-                ends, _ = ledger_offsets(self.snapshots.manifests(), self.topic)
-                self.snapshots.write_offsets(self.ingest_cfg.group, self.topic, ends)
+            self._mirror(asynchronous=False)
         finally:
-            # Nothing commits from here on, so the leases go first: the partitions' next owners need
-            # not wait for them once the group hands the partitions over, which closing starts.
             self.closing = True
-            self.partitions.release_all()
-            self.consumer.close()
-            self.pipeline.close()
-        self.lag.close()
-        return self.lag.alert.fired
+            if self.consumer is not None:
+                self.consumer.close()
+            self.pipeline.close()  # parts not committed (a restart) go, files and all

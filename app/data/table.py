@@ -50,6 +50,13 @@ RANGES_KEY = "argus.kafka.ranges"
 COMMITTED_KEY = "argus.kafka.committed"
 LOST_KEY = "argus.kafka.lost"
 DLQ_KEY = "argus.dlq.records"
+WATERMARKS_KEY = "argus.kafka.watermarks"
+"""JSON {partition: largest event time (ms) committed so far}, carried forward like the offsets:
+a record this far behind it (less the allowed lateness) is counted late."""
+FEATURES_WEIGHTS_KEY = "argus.features.weights"
+"""The backbone weights file that computed the `features` column ("" for the seeded random one):
+a head trained on the features must sit on the same backbone when it serves images."""
+DETAILS_PREFIX = "argus."
 
 COMMIT_ATTEMPTS = 5
 """Catalog swaps one commit tries before giving up: a swap lost to a commit that left this one's
@@ -124,6 +131,17 @@ class ImageTable:
         snapshot = table.current_snapshot() if snapshot_id is None else table.snapshot_by_id(snapshot_id)
         return _committed(table, snapshot)
 
+    def summary_value(self, snapshot_id: int, key: str) -> str | None:
+        """`key` in the summary of `snapshot_id` or of its nearest ancestor that has it."""
+        table = self.load()
+        return _nearest(table, table.snapshot_by_id(snapshot_id), key)
+
+    def watermarks(self, snapshot_id: int | None = None) -> dict[int, int]:
+        """{partition: event-time watermark (ms)} as of `snapshot_id` (default: now)."""
+        table = self.load()
+        snapshot = table.current_snapshot() if snapshot_id is None else table.snapshot_by_id(snapshot_id)
+        return _watermarks(table, snapshot)
+
     def scan(self, snapshot_id: int, columns: Iterable[str] | None = None) -> pa.Table:
         """The rows (or only `columns`) of the table as of `snapshot_id`, whatever came after."""
         fields = tuple(columns) if columns else ("*",)
@@ -159,6 +177,8 @@ class ImageTable:
         topic: str,
         *,
         lost: dict[int, int] | None = None,
+        watermarks: dict[int, int] | None = None,
+        details: dict[str, str] | None = None,
     ) -> int:
         """Commit `rows` as the offsets `ranges` ({partition: (start, end)}) of `topic`, with
         `dlq_records` of them in the dead letters and `lost[p]` at a range's start deleted by
@@ -167,7 +187,9 @@ class ImageTable:
         check_rows(rows, ranges, dlq_records, lost or {})
         files = self.write_files(rows) if rows.num_rows else []
         try:
-            return self.commit_files(files, ranges, dlq_records, topic, lost=lost)
+            return self.commit_files(
+                files, ranges, dlq_records, topic, lost=lost, watermarks=watermarks, details=details
+            )
         except (OffsetConflict, ConfigError):  # refused before any catalog swap could land
             table = self.catalog.load_table(self.identifier)
             for data_file in files:  # never part of any snapshot: nobody can be reading them
@@ -182,9 +204,12 @@ class ImageTable:
         topic: str,
         *,
         lost: dict[int, int] | None = None,
+        watermarks: dict[int, int] | None = None,
+        details: dict[str, str] | None = None,
     ) -> int:
         """Commit data files from `write_files` as `commit` commits rows (the caller has proved
-        every offset of `ranges` once in them or in the dead letters)."""
+        every offset of `ranges` once in them or in the dead letters). `watermarks` raise the
+        table's event-time watermarks; `details` (keys `argus.*`) go into the summary as they are."""
         lost = lost or {}
         _check_counts(sum(f.record_count for f in files), ranges, dlq_records, lost)
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
@@ -193,12 +218,18 @@ class ImageTable:
             committed = _committed(table, base)
             self._check_base(table, base, committed, ranges, topic)
             summary = {
+                **{k: v for k, v in (details or {}).items() if k.startswith(DETAILS_PREFIX)},
                 FORMAT_KEY: str(FORMAT),
                 TOPIC_KEY: topic,
                 RANGES_KEY: dumps({p: list(r) for p, r in ranges.items()}),
                 COMMITTED_KEY: dumps({**committed, **{p: end for p, (_, end) in ranges.items()}}),
                 DLQ_KEY: str(dlq_records),
             }
+            carried = _watermarks(table, base)
+            for p, mark in (watermarks or {}).items():
+                carried[p] = max(carried.get(p, mark), mark)
+            if carried:
+                summary[WATERMARKS_KEY] = dumps(carried)
             if lost:
                 summary[LOST_KEY] = dumps({p: [ranges[p][0], ranges[p][0] + n] for p, n in lost.items() if n})
             txn = table.transaction()
@@ -299,6 +330,11 @@ def _nearest(table: Table, snapshot: Snapshot | None, key: str) -> str | None:
 def _committed(table: Table, snapshot: Snapshot | None) -> dict[int, int]:
     raw = _nearest(table, snapshot, COMMITTED_KEY)
     return {int(p): int(end) for p, end in json.loads(raw).items()} if raw else {}
+
+
+def _watermarks(table: Table, snapshot: Snapshot | None) -> dict[int, int]:
+    raw = _nearest(table, snapshot, WATERMARKS_KEY)
+    return {int(p): int(mark) for p, mark in json.loads(raw).items()} if raw else {}
 
 
 def pixels(rows: pa.Table) -> np.ndarray:

@@ -4,31 +4,44 @@
 
 One long-lived pipeline (`app.data.stream`, with `partitions`, `parts` and `lag`): a consumer kept
 open in the consumer group, a pool of preprocessing actors kept warm, micro-batches cut by size or
-time and each committed as a small part (a snapshot with its own manifest) under the leases of its
-partitions, so offsets advance only with a durable commit; and, beside it, compaction of closed
-windows of parts into one snapshot each (`app.data.compact`, by whichever watch holds the
-compaction lease). Several watches in one `--group` share the topic's partitions; a bulk `ingest`
-waits while any of them runs, and they for it. While `--pause-file` exists nothing is cut or
+time and each committed to the table as one Iceberg commit, so offsets advance only with a
+durable commit; and, beside it, the table's upkeep (`Upkeep`: compaction, snapshot expiry, orphan
+removal). Several watches in one `--group` share the topic's partitions, and a bulk `ingest` may
+run beside them: whoever commits a partition's offsets first wins, the others' commits are refused
+by the catalog and they start over from the table. While `--pause-file` exists nothing is cut or
 committed (lag keeps being measured): an operator's brake, and how the alert is tested.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import random
+import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from app import metrics
 from app.config import IngestConfig, Settings
-from app.data.kafka import KafkaConnection, partitions_of, probe_end_offsets
-from app.data.manifest import ledger_offsets
-from app.data.snapshot import SnapshotStore
+from app.data.kafka import KafkaConnection
+from app.data.table import ImageTable
 from app.errors import ConfigError
 from app.retry import Backoff
 
 log = logging.getLogger(__name__)
 RESTART_BACKOFF_CAP_S = 60.0
 """A watch that keeps losing what it holds starts over at most this far apart (doubling from 1 s)."""
+DAY_S = 86_400.0
+UPKEEP_RETRY_S = 5.0
+UPKEEP_RETRY_CAP_S = 300.0
+"""An upkeep that failed is retried after UPKEEP_RETRY_S, doubling up to this (or the interval)."""
+STUCK_AFTER = 5
+"""Failed upkeeps in a row after which the upkeep is reported stuck (an error, not a warning)."""
+MIN_ORPHAN_AGE_S = 3600.0
+"""Files younger than this are never orphans: a writer (a bulk ingest, a part) may not have
+committed them yet."""
 
 
 @dataclass(kw_only=True)
@@ -49,13 +62,14 @@ class WatchConfig:
     """While this file exists, measure lag but cut and commit nothing."""
     max_ticks: int | None = None
     """Stop after committing this many micro-batches (None: until interrupted)."""
-    compact_window_s: float | None = 3600.0
-    """Compact the parts of each closed window of this many seconds (by part creation time) into
-    one snapshot; None: never compact."""
-    compact_max_records: int | None = None
-    """Also compact as soon as a window's parts hold this many records."""
-    compact_grace_s: float = 60.0
-    """Keep superseded parts this long after their compaction, for readers that listed them."""
+    compact_interval_s: float = 300.0
+    """Between two upkeeps of the table (compaction, snapshot expiry, orphan removal); 0: none in
+    this watch (run by another, or not at all)."""
+    expire_after_s: float = 7 * DAY_S
+    """Table snapshots older than this expire, but those registered model versions name."""
+    orphan_after_s: float = 3 * DAY_S
+    """Files under the table no snapshot names are deleted once this old (at least an hour: a
+    writer's files are nameless until it commits)."""
     session_timeout_s: float | None = None
     """The consumer group's session timeout: a watch that stops heartbeating loses its partitions
     to the others after this long (None: the Kafka properties' `session.timeout.ms`, else 6 s)."""
@@ -69,10 +83,13 @@ class WatchConfig:
             )
         if self.max_ticks is not None and self.max_ticks < 1:
             raise ConfigError("--max-ticks must be >= 1")
-        if self.compact_window_s is not None and self.compact_window_s <= 0:
-            raise ConfigError("--compact-window-s must be > 0")
-        if self.compact_max_records is not None and self.compact_max_records < 1:
-            raise ConfigError("--compact-max-records must be >= 1")
+        if self.compact_interval_s < 0 or self.expire_after_s <= 0:
+            raise ConfigError("--compact-interval-s must be >= 0 and --expire-after-s > 0")
+        if self.orphan_after_s < MIN_ORPHAN_AGE_S:
+            raise ConfigError(
+                f"--orphan-after-s must be >= {MIN_ORPHAN_AGE_S:.0f}: younger files may be a "
+                "writer's, not committed yet"
+            )
         if self.session_timeout_s is not None and self.session_timeout_s < 1:
             raise ConfigError("--session-timeout-s must be >= 1")
 
@@ -88,33 +105,120 @@ class Lag:
 
 
 def measure_lag(settings: Settings, kafka: KafkaConnection) -> Lag:
-    """From outside any watch: records behind the proven end of each partition (the ledger's end
-    to it), and the age of the oldest of them."""
-    from confluent_kafka import TopicPartition
+    """From outside any watch: records behind the table's committed offsets (to each partition's
+    proven end), and the age of the oldest of them."""
+    from app.data.backlog import existing_table, measure_backlog
 
-    starts, _ = ledger_offsets(SnapshotStore.at(settings.uri()).manifests(), settings.topic)
-    partitions = partitions_of(kafka, settings.topic)
-    ends = probe_end_offsets(kafka, settings.topic, partitions)
-    behind = {p: max(0, ends[p] - starts.get(p, 0)) for p in partitions}
-    oldest_ms = None
-    pending = [TopicPartition(settings.topic, p, starts.get(p, 0)) for p in partitions if behind[p]]
-    if pending:
-        consumer = kafka.consumer()
+    backlog = measure_backlog(kafka, existing_table(settings), settings.topic)
+    oldest = max((entry.oldest_age_s for entry in backlog), default=0.0)
+    return Lag({entry.partition: entry.records for entry in backlog}, oldest)
+
+
+class UpkeepFailed(RuntimeError):
+    """Steps of one upkeep failed; `steps` names each with its cause."""
+
+    def __init__(self, steps: dict[str, BaseException]):
+        self.steps = steps
+        super().__init__("; ".join(f"{step}: {type(exc).__name__}: {exc}" for step, exc in steps.items()))
+
+
+def _registry_pins(settings: Settings) -> Callable[[], set[int]]:
+    def pinned() -> set[int]:
+        from app.registry import pinned_snapshot_ids
+
+        return pinned_snapshot_ids(settings)
+
+    return pinned
+
+
+class Upkeep:
+    """The table's upkeep every `compact_interval_s` (jittered, so watches do not run it in step),
+    in a thread beside the watch's pipeline: compaction of small files per event date, expiry of
+    snapshots older than `expire_after_s` but those registered versions name (`pinned`), and
+    removal of orphan files. Every step is one catalog commit that re-plans when it loses a race,
+    so several watches may run it at once. A failed upkeep is retried with backoff
+    (`app.retry.Backoff`) and, after STUCK_AFTER failures in a row, reported stuck;
+    `argus_compaction_failures` counts every failure, `argus_compactions` every compaction."""
+
+    def __init__(
+        self,
+        table: ImageTable,
+        settings: Settings,
+        cfg: WatchConfig,
+        stop: threading.Event,
+        pinned: Callable[[], set[int]] | None = None,
+    ):
+        self.table, self.topic, self.cfg, self.stop = table, settings.topic, cfg, stop
+        self.pinned = pinned or _registry_pins(settings)
+        self.rng = random.Random()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="upkeep")
+
+    def start(self) -> None:
+        if self.cfg.compact_interval_s > 0:
+            self._thread.start()
+
+    def tick(self) -> None:
+        """Compact, expire, remove orphans: each step even when one before it failed, then
+        UpkeepFailed naming those that did. Nothing expires while the registry cannot say which
+        snapshots its versions pin."""
+        from app.data.maintenance import compact, expire, remove_orphans
+
+        failed: dict[str, BaseException] = {}
         try:
-            consumer.assign(pending)
-            seen: set[int] = set()
-            deadline = time.monotonic() + 10
-            while len(seen) < len(pending) and time.monotonic() < deadline:
-                message = consumer.poll(0.5)
-                if message is None or message.error() or message.partition() in seen:
-                    continue
-                seen.add(message.partition())
-                _, timestamp = message.timestamp()
-                oldest_ms = timestamp if oldest_ms is None else min(oldest_ms, timestamp)
-        finally:
-            consumer.close()
-    age = 0.0 if oldest_ms is None else max(0.0, time.time() - oldest_ms / 1000)
-    return Lag(behind, age)
+            if compact(self.table).snapshot_id is not None:
+                metrics.inc("argus_compactions", topic=self.topic)
+        except Exception as exc:
+            failed["compaction"] = exc
+        try:
+            keep = self.pinned()
+        except Exception as exc:
+            failed["expiry"] = RuntimeError(
+                f"nothing expired: the registry did not say which snapshots its versions pin ({exc})"
+            )
+        else:
+            try:
+                expire(self.table, older_than_s=self.cfg.expire_after_s, keep=keep)
+            except Exception as exc:
+                failed["expiry"] = exc
+        try:
+            remove_orphans(self.table, older_than_s=self.cfg.orphan_after_s)
+        except Exception as exc:
+            failed["orphan removal"] = exc
+        if failed:
+            raise UpkeepFailed(failed)
+
+    def _done(self, wait_s: float) -> bool:
+        return self._closed.wait(wait_s) or self.stop.is_set()
+
+    def _run(self) -> None:
+        interval = self.cfg.compact_interval_s
+        backoff = Backoff(base_s=min(UPKEEP_RETRY_S, interval), cap_s=max(UPKEEP_RETRY_CAP_S, interval))
+        wait_s = interval * self.rng.uniform(0.75, 1.0)
+        while not self._done(wait_s):
+            try:
+                self.tick()
+                backoff.succeeded()
+                wait_s = interval * self.rng.uniform(0.75, 1.0)
+            except Exception as exc:  # the next try starts from what the table holds then
+                wait_s = backoff.failed()
+                metrics.inc("argus_compaction_failures", topic=self.topic)
+                stuck = backoff.failures >= STUCK_AFTER
+                log.log(
+                    logging.ERROR if stuck else logging.WARNING,
+                    "upkeep of %s failed %d times in a row%s, next try in %.0f s: %s",
+                    self.topic,
+                    backoff.failures,
+                    " (stuck)" if stuck else "",
+                    wait_s,
+                    exc,
+                    exc_info=backoff.failures == 1,  # the traceback once, not every retry
+                )
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=60)
 
 
 def watch(
@@ -125,12 +229,11 @@ def watch(
     stop: threading.Event | None = None,
 ) -> int:
     """Ingest continuously until `stop` is set or `max_ticks` parts committed; return the number
-    of lag alerts fired. Waits while a bulk `ingest` holds the topic's lease; starts its pipeline
-    over from the ledger when it lost what it held (`Restart`)."""
+    of lag alerts fired. Starts its pipeline over from the table, with backoff, whenever the table
+    refused a part (`Restart`: another writer committed one of its partitions first)."""
     from app.data import kafka as kafka_clients
-    from app.data.compact import Compactor
-    from app.data.ingest import ingest_lease, write_spec
-    from app.data.lease import LeaseHeld, SharedLease
+    from app.data.ingest import open_table
+    from app.data.lag import LagMonitor
     from app.data.partitions import Restart
     from app.data.stream import Stream
 
@@ -138,32 +241,27 @@ def watch(
     kafka_clients.ensure_topics(
         kafka, settings.topic, settings.dlq_topic, settings.partitions, settings.replication_factor
     )
-    snapshots = SnapshotStore.at(settings.uri())
-    spec = write_spec(settings, ingest_cfg)
-    # Shared: other watches of the topic hold it too; a bulk ingest's exclusive hold excludes them all.
-    topic_lease = ingest_lease(snapshots.store, settings.topic)
-    lease = SharedLease(topic_lease.store, ttl_s=ingest_cfg.lease_ttl_s)
-    waiting = False
+    table = open_table(settings, ingest_cfg)
+    writer = f"watch {socket.gethostname()}:{os.getpid()}"
+    lag = LagMonitor(settings.topic, cfg.lag_alert_s, cfg.lag_alert_for_s)
+    upkeep = Upkeep(table, settings, cfg, stop)
+    upkeep.start()
     restarts = Backoff(base_s=1.0, cap_s=RESTART_BACKOFF_CAP_S)
-    while not stop.is_set():
-        started = time.monotonic()
-        try:
-            with lease.held():
-                compactor = Compactor(snapshots, settings.topic, cfg, lease, stop)
-                compactor.start()
-                try:
-                    return Stream(snapshots, spec, cfg, ingest_cfg, kafka, lease, stop).run()
-                finally:
-                    compactor.close()
-        except LeaseHeld as exc:
-            if not waiting:
-                log.warning("watch of %s waits: %s", settings.topic, exc)
-                waiting = True
-            stop.wait(1.0)
-        except Restart as exc:
-            if time.monotonic() - started > RESTART_BACKOFF_CAP_S:
-                restarts.succeeded()  # it ran a good while: not the same failure again
-            wait_s = restarts.failed()  # not in a tight loop should it keep losing what it takes
-            log.warning("watch of %s starts over from the ledger in %.1f s: %s", settings.topic, wait_s, exc)
-            stop.wait(wait_s)
-    return 0
+    try:
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                Stream(table, settings, cfg, ingest_cfg, kafka, lag, writer, stop).run()
+                break
+            except Restart as exc:
+                if time.monotonic() - started > RESTART_BACKOFF_CAP_S:
+                    restarts.succeeded()  # it ran a good while: not the same failure again
+                wait_s = restarts.failed()  # not in a tight loop should it keep losing what it takes
+                log.warning(
+                    "watch of %s starts over from the table in %.1f s: %s", settings.topic, wait_s, exc
+                )
+                stop.wait(wait_s)
+    finally:
+        upkeep.close()
+        lag.close()
+    return lag.alert.fired

@@ -2,8 +2,9 @@
 
     python -m app federate --model cnn --image-size 64 --rounds 5 --clients 10 --clients-per-round 5
 
-`federate` (`run`) splits the snapshots' labelled records by event time (`app.selection`), deals the
-users into clients (which read only records before the test slice), runs Flower rounds
+`federate` (`run`) pins a table snapshot, splits its labelled records by event time
+(`app.selection`), deals the users into clients (which read only records before the test slice,
+from the snapshot's Parquet files), runs Flower rounds
 (`server_app`, updates checked by `guard`, released under DP by `privacy`) on our Ray actors
 (`grid`, running `client_app` over `task`) or, with `--engine deployment`, on devices that reach
 a Flower SuperLink over TLS (`deployment`, `device`), evaluates the global model on the test

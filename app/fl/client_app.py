@@ -67,10 +67,10 @@ def _client_state(config: ConfigRecord, context: Context) -> tuple[int, ConfigRe
         partition = int(context.node_id) % 1_000_003  # varies the devices' shuffles
         key = (str(context.node_config[DATA_DIR_KEY]), tuple(config["classes"]), int(config["image-size"]))
         load = load_device_data
-    else:  # a simulated client: its users' rows of the central snapshots
+    else:  # a simulated client: its users' rows of the central table snapshot
         partition = int(context.node_config[PARTITION_ID_KEY])
         key = (
-            tuple(config["snapshots"]),
+            tuple(config["data-files"]),
             partition,
             int(context.node_config[NUM_PARTITIONS_KEY]),
             int(config["seed"]),

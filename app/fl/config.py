@@ -30,7 +30,7 @@ class FederateConfig:
     rounds: int = 5
     """Federated rounds in total; a resumed run continues up to this many."""
     clients: int = 10
-    """Simulated clients; the snapshots' users are dealt into this many groups."""
+    """Simulated clients; the table snapshot's users are dealt into this many groups."""
     clients_per_round: int = 5
     """Clients sampled for training each round (the expected number under Poisson sampling)."""
     client_sampling: str = "fixed"
@@ -74,8 +74,8 @@ class FederateConfig:
     is given). `auto`: the champion when one exists and fits this run, else a fresh model; None
     (`--init-from none`): a fresh model."""
     seed: int = 0
-    snapshots: tuple[str, ...] | None = None
-    """Snapshot ids; None means all of the topic's."""
+    snapshots: int | None = None
+    """The table snapshot id the run reads (`--snapshots ID`); None: the table's current snapshot."""
     val_fraction: float = 0.2
     """The newest share of all labelled records by event time, held out (`app.selection`): its
     older half validates on the clients, its newest half is the server's test slice, which no
@@ -97,7 +97,7 @@ class FederateConfig:
     inject_faults: tuple[str, ...] = ()
     """Fault injection for tests, `CLIENT:KIND` with KIND in nan, scale, crash, slow."""
     engine: str = "simulation"
-    """simulation: clients are Ray actors over the central snapshots; deployment: devices
+    """simulation: clients are Ray actors over the central table snapshot; deployment: devices
     (`argus device`) train on their own images and reach a Flower SuperLink over TLS."""
     superlink: str | None = None
     """Deployment: the SuperLink's HOST:PORT (its Fleet and Control APIs share one TLS port)."""
@@ -120,6 +120,10 @@ class FederateConfig:
                 raise ConfigError(message)
 
         require(self.rounds >= 1, f"--rounds must be >= 1, got {self.rounds}")
+        require(
+            self.snapshots is None or type(self.snapshots) is int,  # bool is an int too
+            f"--snapshots takes one table snapshot id (an integer), got {self.snapshots!r}",
+        )
         require(self.clients >= 1, f"--clients must be >= 1, got {self.clients}")
         require(
             1 <= self.clients_per_round <= self.clients,

@@ -128,9 +128,8 @@ def read_job(uri: str) -> tuple[Settings, FederateConfig]:
     if settings.get("classes") is not None:
         settings["classes"] = tuple(settings["classes"])
     cfg = job["federate"]
-    for key in ("snapshots", "inject_faults"):
-        if cfg.get(key) is not None:
-            cfg[key] = tuple(cfg[key])
+    if cfg.get("inject_faults") is not None:
+        cfg["inject_faults"] = tuple(cfg["inject_faults"])
     return Settings(**settings), FederateConfig(**cfg)
 
 

@@ -1,5 +1,5 @@
-"""One federated run (`python -m app federate`): snapshots → Flower rounds on Ray actors or devices →
-checkpoints → a registered version → with `--promote-if-better`, the alias moved only to a better
+"""One federated run (`python -m app federate`): a table snapshot → Flower rounds on Ray actors or
+devices → checkpoints → a registered version → with `--promote-if-better`, the alias moved only to a better
 model. The package docstring (`app.fl`) maps the modules it uses."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from app import model as core
 from app import registry
 from app.cluster import ray_session
 from app.config import Settings
-from app.data.manifest import Manifest, discover_classes
-from app.data.snapshot import SnapshotStore, read_rows
+from app.data.selection import TableRead, UnsafeDataFile, read_rows, select
+from app.data.table import ImageTable
 from app.errors import ConfigError
 from app.fl.checkpoint import load_checkpoint
 from app.fl.config import AUTO_INIT, FederateConfig, FederateReport
@@ -90,16 +90,17 @@ def _trained_without_dp(settings: Settings, version: str | None) -> bool:
 
 
 def central_test(
-    uris: list[str], classes: list[str], val_fraction: float, model: nn.Module, device: torch.device
+    data_files: list[str], classes: list[str], val_fraction: float, model: nn.Module, device: torch.device
 ) -> tuple[EventTimeSplit, CentralEvaluation]:
-    """The event-time split of all labelled records of the snapshots, as centralised training cuts
-    it, and the server's evaluation on its test slice (read once, on the driver, as uint8)."""
-    rows = read_rows(uris, ["event_time"], pc.field("label").isin(classes))
+    """The event-time split of all labelled records of the table snapshot (its `data_files`), as
+    centralised training cuts it, and the server's evaluation on its test slice (read once, on the
+    driver, as uint8)."""
+    rows = read_rows(data_files, ["event_time_ms"], pc.field("label").isin(classes))
     try:
-        split = EventTimeSplit.of(np.asarray(rows.column("event_time").to_numpy()), val_fraction)
+        split = EventTimeSplit.of(np.asarray(rows.column("event_time_ms").to_numpy()), val_fraction)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    test_x, test_y, _ = labelled_rows(uris, classes, pc.field("event_time") >= split.test_from)
+    test_x, test_y, _ = labelled_rows(data_files, classes, pc.field("event_time_ms") >= split.test_from)
     return split, CentralEvaluation(model, test_x, test_y, len(classes), device)
 
 
@@ -113,7 +114,7 @@ def federate(
     """`python -m app federate`: rounds of Flower FL → checkpoints → a registered version → with
     `promote_if_better`, the alias moved only to a better model.
 
-    The simulation engine runs the clients on Ray actors over the snapshots; the deployment engine
+    The simulation engine runs the clients on Ray actors over the table snapshot; the deployment engine
     hands the run to a SuperLink (`deployment.federate_on_devices`), whose ServerApp calls this
     again with `grid`, its devices. `before_promotion` runs just before the alias may move (the
     demo starts its traffic there, so a rollout happens under it)."""
@@ -122,20 +123,29 @@ def federate(
         from app.fl.deployment import federate_on_devices
 
         return federate_on_devices(settings, cfg)
-    snapshots = SnapshotStore.at(settings.uri())
+    table = ImageTable.at(settings.storage, settings.catalog, settings.table, create=False)
     try:
-        manifests = snapshots.select(settings.topic, settings.image_size, cfg.snapshots)
+        read = select(table, settings.image_size, cfg.snapshots)
+    except UnsafeDataFile:  # storage's bytes, not the arguments: a failed run
+        raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    classes = discover_classes(manifests, settings.classes)
+    if read.image_size != settings.image_size:  # clients train on the stored pixels as they are
+        raise ConfigError(
+            f"table snapshot {read.snapshot_id} holds images of another size than --image-size "
+            f"{settings.image_size}: federated clients read the stored pixels; ingest at that size"
+        )
+    classes = read.classes(settings.classes)
     if len(classes) < 2:
-        raise ConfigError(f"federated training needs at least two classes; the snapshots have {classes}")
-    snapshot_ids = [m.snapshot_id for m in manifests]
-    uris = [snapshots.uri(s) for s in snapshot_ids]
-    users = len(set(read_rows(uris, ["key"]).column("key").drop_null().to_pylist()))
+        raise ConfigError(
+            f"federated training needs at least two classes; table snapshot {read.snapshot_id} has {classes}"
+        )
+    files = list(read.files)
+    users = len(read_rows(files, ["user_id"]).column("user_id").unique())
     if not on_devices and cfg.clients > users:
         raise ConfigError(
-            f"--clients {cfg.clients} but the snapshots hold {users} users; a client is at least one user"
+            f"--clients {cfg.clients} but table snapshot {read.snapshot_id} holds {users} users; "
+            "a client is at least one user"
         )
 
     run_name = cfg.run_name or time.strftime("federate-%Y%m%d-%H%M%S")
@@ -145,7 +155,7 @@ def federate(
         "classes": classes,
         "image_size": settings.image_size,
         "clients": cfg.clients,
-        "snapshots": snapshot_ids,
+        "table_snapshot_id": read.snapshot_id,
         "seed": cfg.seed,
         "strategy": cfg.strategy,
         "dp_noise": cfg.dp_noise,
@@ -190,13 +200,13 @@ def federate(
         log.warning(
             "--strategy %s with DP noise: epsilon is not reported (no mean, no accountant)", cfg.strategy
         )
-    split, central = central_test(uris, classes, cfg.val_fraction, model, core.local_device())
+    split, central = central_test(files, classes, cfg.val_fraction, model, core.local_device())
     fed = Federation(
         cfg=cfg,
         model=model,
         arrays=model_arrays(model),
         classes=classes,
-        snapshot_uris=uris,
+        data_files=files,
         checkpoint_uri=checkpoint_uri,
         fingerprint=fingerprint,
         val_from=split.val_from,
@@ -224,7 +234,7 @@ def federate(
     examples = None
     if not on_devices:
         sizes = partition_sizes(
-            tuple(uris), cfg.clients, cfg.seed, tuple(classes), split.val_from, split.test_from
+            tuple(files), cfg.clients, cfg.seed, tuple(classes), split.val_from, split.test_from
         )
         examples = {partition + 1: size for partition, size in enumerate(sizes)}
 
@@ -256,7 +266,7 @@ def federate(
         log.info("run %s already finished %d rounds; registering its model", run_name, fed.start_round)
         wire, num_actors = {}, 0
     return _finish(
-        settings, cfg, fed, run_name, manifests, wire, num_actors, split, central, before_promotion
+        settings, cfg, fed, run_name, (table, read), wire, num_actors, split, central, before_promotion
     )
 
 
@@ -299,7 +309,7 @@ def _finish(
     cfg: FederateConfig,
     fed: Federation,
     run_name: str,
-    manifests: list[Manifest],
+    source: tuple[ImageTable, TableRead],
     wire: dict,
     num_actors: int,
     split: EventTimeSplit,
@@ -307,7 +317,9 @@ def _finish(
     before_promotion: Callable[[], None] | None,
 ) -> FederateReport:
     """MLflow run (params, per-round metrics, curves), a registered version of training kind
-    `federated` whose card carries its test-slice figures, and the champion comparison if asked."""
+    `federated` whose card carries its test-slice figures and the table snapshot it read
+    (`source`), and the champion comparison if asked."""
+    table, read = source
     history = fed.history
     last = history[-1]
     epsilon = fed.accountant.get_privacy_spent().epsilon if fed.accountant else None
@@ -336,7 +348,8 @@ def _finish(
             "model": settings.model,
             "image_size": settings.image_size,
             "classes": ",".join(fed.classes),
-            "snapshots": ",".join(m.snapshot_id for m in manifests),
+            "table": read.table,
+            "table_snapshot_id": read.snapshot_id,
             "init_version": fed.init_version,
             "resumed_from": fed.start_round,
             "split_val_from": split.val_from,
@@ -344,7 +357,7 @@ def _finish(
             "split_test_records": split.test,
         },
         tags={"training_kind": "federated", "fl.engine": cfg.engine, "fl.checkpoints": fed.checkpoint_uri},
-        inputs=[(SnapshotStore.at(settings.uri()).uri(m.snapshot_id), m.lineage()) for m in manifests],
+        inputs=[(table.load().location(), read.lineage())],
     )
     card = registry.ModelCard(
         arch=settings.model,
@@ -352,7 +365,7 @@ def _finish(
         image_size=settings.image_size,
         features=False,
         training_kind="federated",
-        snapshots=[m.lineage() for m in manifests],
+        lineage=read.lineage(),
         metrics=metrics,
         split=split.to_dict(),
         privacy=_privacy_record(cfg, fed) if cfg.dp else None,

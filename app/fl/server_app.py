@@ -149,7 +149,8 @@ class Federation:
     model: nn.Module
     arrays: ArrayRecord
     classes: list[str]
-    snapshot_uris: list[str]
+    data_files: list[str]
+    """The Parquet files of the table snapshot the run reads (URIs): what simulated clients read."""
     checkpoint_uri: str
     fingerprint: dict
     val_from: int
@@ -173,7 +174,7 @@ class Federation:
             "classes": list(self.classes),
             "image-size": int(self.fingerprint["image_size"]),
             # Devices train on their own images: where the central data lives is not theirs to know.
-            "snapshots": list(self.snapshot_uris) if cfg.engine == "simulation" else [],
+            "data-files": list(self.data_files) if cfg.engine == "simulation" else [],
             "seed": cfg.seed,
             "val-from": self.val_from,
             "test-from": self.test_from,

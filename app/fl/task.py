@@ -1,8 +1,10 @@
 """The client's side in plain PyTorch: its users' rows, local training and evaluation, and the
 arrays that travel (no Ray, no Flower messages; `ArrayRecord` is only the container).
 
-Images stay the uint8 pixels the snapshot holds (a quarter of float32's memory per client); each
-batch is augmented and normalised where it runs, as centralised training does."""
+A simulated client reads its users' rows straight from the table snapshot's Parquet files, whose
+URIs the server sends in the round's config. Images stay the uint8 pixels the table holds (a
+quarter of float32's memory per client); each batch is augmented and normalised where it runs, as
+centralised training does."""
 
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ from flwr.app import ArrayRecord
 from torch import nn
 
 from app import model as core
-from app.data.snapshot import read_rows
 from app.transform import augment as augment_images
 from app.transform import encode_labels, normalize_pixels
 
@@ -39,10 +40,12 @@ def partition_users(users: Iterable[str], num_partitions: int, seed: int) -> lis
 
 
 @lru_cache(maxsize=4)
-def _user_partitions(snapshot_uris: tuple[str, ...], num_partitions: int, seed: int) -> list[list[str]]:
-    # Every client of an actor deals the same users: read the keys once per snapshot set.
-    keys = read_rows(snapshot_uris, ["key"]).column("key").to_pylist()
-    return partition_users((k for k in keys if k is not None), num_partitions, seed)
+def _user_partitions(data_files: tuple[str, ...], num_partitions: int, seed: int) -> list[list[str]]:
+    from app.data.selection import read_rows
+
+    # Every client of an actor deals the same users: read them once per table snapshot.
+    users = read_rows(data_files, ["user_id"]).column("user_id").to_pylist()
+    return partition_users((u for u in users if u is not None), num_partitions, seed)
 
 
 @dataclass
@@ -55,28 +58,39 @@ class ClientData:
 
 
 def labelled_rows(
-    snapshot_uris: Iterable[str], classes: Iterable[str], row_filter=None
+    data_files: Iterable[str], classes: Iterable[str], row_filter=None
 ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-    """(uint8 pixels, class indices, event times) of the labelled rows that pass `row_filter`,
-    in event-time order (partition and offset break ties, so every reader sees one order)."""
+    """(uint8 pixels [N, 3, S, S], class indices, event times) of the labelled rows of the table
+    snapshot's `data_files` that pass `row_filter`, in event-time order (partition and offset
+    break ties, so every reader sees one order)."""
+    # Imported here: `app.data.selection` loads PyIceberg (~1 s), and a device, which starts a
+    # ClientApp process per message, never reads the table.
+    from app.data.selection import chw_images, read_rows
+
     classes = list(classes)
     labelled = pc.field("label").isin(classes)
     table = read_rows(
-        snapshot_uris,
-        ["image", "label", "event_time", "partition", "offset"],
+        list(data_files),
+        ["pixels", "height", "width", "label", "event_time_ms", "kafka_partition", "kafka_offset"],
         labelled if row_filter is None else labelled & row_filter,
     )
-    table = table.sort_by([("event_time", "ascending"), ("partition", "ascending"), ("offset", "ascending")])
+    table = table.sort_by(
+        [("event_time_ms", "ascending"), ("kafka_partition", "ascending"), ("kafka_offset", "ascending")]
+    )
     if table.num_rows == 0:
         return torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), np.empty(0, np.int64)
-    pixels = np.array(table.column("image").combine_chunks().to_numpy_ndarray())  # writable, for torch
+    sizes = set(zip(table.column("height").to_pylist(), table.column("width").to_pylist()))
+    if len(sizes) != 1:
+        raise ValueError(f"rows of several image sizes {sorted(sizes)}: federated clients read one")
+    height, width = sizes.pop()
+    pixels = chw_images(table.column("pixels").to_pylist(), height, width)  # a writable copy, for torch
     labels = encode_labels(table.column("label").to_pylist(), classes)
-    times = table.column("event_time").to_numpy()
+    times = table.column("event_time_ms").to_numpy()
     return torch.from_numpy(pixels), torch.from_numpy(labels), times
 
 
 def load_client_data(
-    snapshot_uris: tuple[str, ...],
+    data_files: tuple[str, ...],
     partition_id: int,
     num_partitions: int,
     seed: int,
@@ -86,9 +100,9 @@ def load_client_data(
 ) -> ClientData:
     """This client's users' labelled rows before `test_from` (the central test slice never reaches
     a client); those from `val_from` on validate, as in centralised training's event-time split."""
-    users = _user_partitions(snapshot_uris, num_partitions, seed)[partition_id]
+    users = _user_partitions(data_files, num_partitions, seed)[partition_id]
     images, labels, times = labelled_rows(
-        snapshot_uris, classes, pc.field("key").isin(users) & (pc.field("event_time") < test_from)
+        data_files, classes, pc.field("user_id").isin(users) & (pc.field("event_time_ms") < test_from)
     )
     if len(labels) == 0:
         raise ValueError(f"client {partition_id} ({len(users)} users) has no labelled records")
@@ -97,7 +111,7 @@ def load_client_data(
 
 
 def partition_sizes(
-    snapshot_uris: tuple[str, ...],
+    data_files: tuple[str, ...],
     num_partitions: int,
     seed: int,
     classes: tuple[str, ...],
@@ -106,19 +120,21 @@ def partition_sizes(
 ) -> list[tuple[int, int]]:
     """(training, validation) rows of each client, as `load_client_data` cuts them, read on the
     server without pixels: the aggregation weights come from these, not from what a client claims."""
-    users = _user_partitions(snapshot_uris, num_partitions, seed)
+    from app.data.selection import read_rows
+
+    users = _user_partitions(data_files, num_partitions, seed)
     owner = {user: partition for partition, group in enumerate(users) for user in group}
     table = read_rows(
-        snapshot_uris,
-        ["key", "event_time"],
-        pc.field("label").isin(list(classes)) & (pc.field("event_time") < test_from),
+        data_files,
+        ["user_id", "event_time_ms"],
+        pc.field("label").isin(list(classes)) & (pc.field("event_time_ms") < test_from),
     )
     train, val = [0] * num_partitions, [0] * num_partitions
-    for key, event_time in zip(
-        table.column("key").to_pylist(), table.column("event_time").to_pylist(), strict=True
+    for user, event_time in zip(
+        table.column("user_id").to_pylist(), table.column("event_time_ms").to_pylist(), strict=True
     ):
-        if key in owner:
-            (train if event_time < val_from else val)[owner[key]] += 1
+        if user in owner:
+            (train if event_time < val_from else val)[owner[user]] += 1
     return list(zip(train, val, strict=True))
 
 

@@ -7,10 +7,11 @@ Serve replicas log, per request, the predicted class, the probability of every c
 per-channel statistics of the transformed image, as immutable JSON-lines objects under
 `<storage>/traffic/` (local, S3 or HDFS alike; `app.serve.TrafficLog`). Two detectors:
 
-- inputs: the same statistics over the snapshots the alias's version was trained on, and their
-  label distribution. Each feature's population stability index (PSI, reference quantile bins)
+- inputs: the same statistics over the table snapshot the alias's version was trained on (the one
+  its model card names, read as it was then whatever was committed since), and its label
+  distribution. Each feature's population stability index (PSI, reference quantile bins)
   above `--threshold` counts as drift.
-- outputs: the version's own softmax vectors on a seeded sample of the snapshots' held-out slices
+- outputs: the version's own softmax vectors on a seeded sample of that snapshot's held-out slices
   (what the model did not fit, so it is as confident there as on new in-distribution traffic)
   against the served ones, by a kernel MMD two-sample test; p below `--output-p-value` is drift.
   It sees shifts that move the model's answers even when no image statistic moves much.
@@ -33,8 +34,9 @@ from pathlib import Path
 import numpy as np
 
 from app import metrics, registry
-from app.config import Settings
-from app.data.snapshot import SnapshotStore
+from app.config import DEFAULT_TABLE, Settings
+from app.data.selection import TableRead, UnsafeDataFile, chw_images, select
+from app.data.table import ImageTable
 from app.errors import ConfigError
 from app.ops.two_sample import categorical_psi, mmd_test, psi
 from app.storage import Store
@@ -152,38 +154,77 @@ class Reference:
     """The version's softmax vectors [n, K] on a seeded sample of the held-out records."""
 
 
-def reference_data(snapshots: SnapshotStore, loaded: registry.LoadedModel, seed: int = SEED) -> Reference:
-    """Image statistics of every record the version was trained on, its label shares, and the
-    model's outputs on up to OUTPUT_SAMPLE of the held-out ones, in one read of the snapshots."""
+def reference_read(table: ImageTable, loaded: registry.LoadedModel) -> TableRead:
+    """The table snapshot the version's card names, as it was when the version read it. A card from
+    before the table, or another table's, is a ConfigError; a snapshot the table no longer has
+    (expired) is a RuntimeError that says so."""
+    card, name = loaded.card, f"{loaded.name} v{loaded.version}"
+    snapshot_id = card.table_snapshot_id
+    if snapshot_id is None:
+        raise ConfigError(
+            f"{name} was trained on snapshot folders from before the Iceberg table: it names no table "
+            "snapshot to measure drift against; train a version on the table"
+        )
+    if card.lineage.get("table") != table.identifier:
+        raise ConfigError(
+            f"{name} was trained on table {card.lineage.get('table')}, not {table.identifier}: "
+            "--table (or --catalog) names another"
+        )
+    data = f"{name}'s training data, table {table.identifier} snapshot {snapshot_id}"
+    if table.load().snapshot_by_id(snapshot_id) is None:
+        raise RuntimeError(
+            f"{data}, is gone: the table no longer has that snapshot. Expiry keeps every snapshot a "
+            "registered version names, so it was expired by other means; train a version on the "
+            "table as it is to measure drift again"
+        )
+    try:
+        return select(table, card.image_size, snapshot_id)
+    except UnsafeDataFile:
+        raise
+    except ValueError as exc:  # e.g. every row of it erased
+        raise RuntimeError(f"{data}, cannot be read: {exc}") from None
+
+
+def reference_data(read: TableRead, loaded: registry.LoadedModel, seed: int = SEED) -> Reference:
+    """Image statistics of every record of the table snapshot `read` the version was trained on, its
+    label shares, and the model's outputs on up to OUTPUT_SAMPLE of the held-out records, in one
+    read of the snapshot's files."""
     import ray.data
     import torch
 
     from app.selection import EventTimeSplit
-    from app.transform import normalize_pixels
+    from app.transform import decode_pixels, normalize_pixels, resize_pixels
 
     card = loaded.card
-    manifests = [snapshots.read_manifest(s["snapshot_id"]) for s in card.snapshots]
-    paths = snapshots.data_file_uris(manifests)
+    size = card.image_size
+    # Pixels stored at another size come with their sources (`select` checked): cut the model's
+    # size from those, as training did.
+    stored = "pixels" if read.image_size == size else "source"
     # Records from the validation slice on were not fitted; without a split, every record.
     held_out_from = EventTimeSplit(**card.split).val_from if card.split else -(2**63)
     columns = {name: [] for name in STATISTICS}
     keys, sample = np.zeros(0, np.uint64), None
     dataset = ray.data.read_parquet(
-        paths,
-        columns=["partition", "offset", "event_time", "image"],
+        list(read.files),
+        columns=["kafka_partition", "kafka_offset", "event_time_ms", stored],
         file_extensions=["parquet"],
+        partitioning=None,  # `event_date` is in the files
         ray_remote_args={"num_cpus": 0.25},
     )
     for batch in dataset.iter_batches(batch_size=256, batch_format="numpy"):
-        pixels = np.asarray(batch["image"])
-        # Serving measures the normalised tensor the model sees: measure the snapshots' pixels so too.
+        if stored == "pixels":
+            pixels = chw_images(list(batch["pixels"]), size, size)
+        else:
+            pixels = resize_pixels([decode_pixels(v, size) for v in batch["source"]], size).numpy()
+        # Serving measures the normalised tensor the model sees: measure the table's pixels so too.
         images = normalize_pixels(torch.from_numpy(pixels)).numpy()
         means, stds = images.mean(axis=(2, 3)), images.std(axis=(2, 3), ddof=1)
         for i, channel in enumerate("rgb"):
             columns[f"mean_{channel}"].append(means[:, i])
             columns[f"std_{channel}"].append(stds[:, i])
-        held = batch["event_time"] >= held_out_from
-        keys = np.concatenate([keys, _sample_keys(batch["partition"][held], batch["offset"][held], seed)])
+        held = batch["event_time_ms"] >= held_out_from
+        partitions, offsets = batch["kafka_partition"][held], batch["kafka_offset"][held]
+        keys = np.concatenate([keys, _sample_keys(partitions, offsets, seed)])
         sample = pixels[held] if sample is None else np.concatenate([sample, pixels[held]])
         if len(keys) > OUTPUT_SAMPLE:  # keep the smallest keys: a seeded sample without replacement
             keep = np.argsort(keys, kind="stable")[:OUTPUT_SAMPLE]
@@ -195,14 +236,10 @@ def reference_data(snapshots: SnapshotStore, loaded: registry.LoadedModel, seed:
         for start in range(0, len(sample), 64):  # bounded memory for large images and models
             inputs = normalize_pixels(torch.from_numpy(sample[start : start + 64]).to(device))
             outputs.append(torch.softmax(model(inputs), dim=1).cpu().numpy())
-    labels: dict[str, float] = {}
-    for manifest in manifests:
-        for label, count in manifest.label_counts.items():
-            labels[label] = labels.get(label, 0) + count
-    total = sum(labels.values()) or 1
+    total = sum(read.label_counts.values()) or 1
     return Reference(
         {k: np.concatenate(v) for k, v in columns.items()},
-        {k: v / total for k, v in labels.items()},
+        {k: v / total for k, v in read.label_counts.items()},
         np.concatenate(outputs),
     )
 
@@ -300,7 +337,8 @@ def drift(settings: Settings, cfg: DriftConfig) -> DriftReport:
             f"only {len(traffic)} requests to v{version} in the last {cfg.window_s:.0f}s; "
             f"need {cfg.min_requests} for a verdict"
         )
-    reference = reference_data(SnapshotStore(store), loaded)
+    table = ImageTable.at(settings.storage, settings.catalog, settings.table, create=False)
+    reference = reference_data(reference_read(table, loaded), loaded)
     scores = {
         name: psi(reference.statistics[name], np.array([row.statistics[name] for row in traffic]))
         for name in STATISTICS
@@ -342,8 +380,13 @@ def retraining_entrypoint(settings: Settings, card: registry.ModelCard) -> str:
         common += ["--kafka-config", str(Path(settings.kafka_config).resolve())]
     if settings.replication_factor != 1:
         common += ["--replication-factor", str(settings.replication_factor)]
-    ingest = shlex.join(["python", "-m", "app", "ingest", *common])
-    train = shlex.join(["python", "-m", "app", "train", *common, "--promote-if-better"])
+    table = []  # the same table: ingest commits to it, train reads it
+    if settings.catalog:
+        table += ["--catalog", settings.catalog]
+    if settings.table != DEFAULT_TABLE:
+        table += ["--table", settings.table]
+    ingest = shlex.join(["python", "-m", "app", "ingest", *common, *table])
+    train = shlex.join(["python", "-m", "app", "train", *common, *table, "--promote-if-better"])
     return f"{ingest} && {train}"
 
 

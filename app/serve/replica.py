@@ -188,7 +188,7 @@ class ArgusModel:
 
     @api.get(
         "/model",
-        summary="The served version: name, run, classes, image size, and the snapshots and Kafka "
+        summary="The served version: name, run, classes, image size, and the table snapshot and Kafka "
         "offset ranges it was trained on",
         responses=error_responses(401, 429, 503),
     )
@@ -209,7 +209,9 @@ class ArgusModel:
                 "training_kind": card.training_kind,
                 "classes": card.classes,
                 "image_size": card.image_size,
-                "snapshots": card.snapshots,
+                # {table, snapshot_id, offsets}; versions from before the table list their folders.
+                "lineage": card.lineage,
+                **({"snapshots": card.snapshots} if card.snapshots is not None else {}),
                 "metrics": card.metrics,
             }
         )

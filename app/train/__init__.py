@@ -1,4 +1,4 @@
-"""The training stage: Ray Train's `TorchTrainer` over a snapshot, registered in MLflow.
+"""The training stage: Ray Train's `TorchTrainer` over a table snapshot, registered in MLflow.
 
 `python -m app train` runs it; `train()` is the one entry point."""
 

@@ -2,9 +2,9 @@
 way to read one back.
 
 A checkpoint is a plain dict of tensors and containers in `checkpoint.pt`: model, optimiser,
-schedule, loss scaler, RNG state, the history so far and the lineage (snapshots, classes). It is
-read with torch's `weights_only` loader, so a checkpoint whose pickle would run code is refused
-before any of it runs.
+schedule, loss scaler, RNG state, the history so far and the lineage (the table snapshot id and
+the classes). It is read with torch's `weights_only` loader, so a checkpoint whose pickle would
+run code is refused before any of it runs.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def epoch_state(
     scaler: torch.amp.GradScaler | None,
     epoch: int,
     history: list[dict],
-    snapshot_ids: tuple[str, ...],
+    snapshot_id: int,
     classes: tuple[str, ...],
 ) -> dict:
     """Everything a resumed run needs to carry on as if uninterrupted, plus the run's lineage."""
@@ -90,6 +90,6 @@ def epoch_state(
         "epoch": epoch,
         "rng": [torch.get_rng_state()],
         "history": history,
-        "snapshots": list(snapshot_ids),
+        "table_snapshot_id": snapshot_id,
         "classes": list(classes),
     }

@@ -1,5 +1,5 @@
-"""Training's input: the snapshots as Ray datasets cut into event-time slices, the class weights,
-and the share of the cluster Ray Data gets beside the training workers.
+"""Training's input: one pinned table snapshot as Ray datasets cut into event-time slices, the
+class weights, and the share of the cluster Ray Data gets beside the training workers.
 
 The newest `--val-fraction` of records by event time is held out (`app.selection`): its older half
 picks the best epoch, its newest half, never seen by that choice, judges promotion.
@@ -15,8 +15,7 @@ import numpy as np
 
 from app import model as core
 from app.config import Settings, TrainConfig
-from app.data.manifest import Manifest
-from app.data.snapshot import SnapshotStore
+from app.data.selection import TableRead, chw_images
 from app.selection import TEST, TRAIN, VALIDATION, EventTimeSplit
 from app.transform import decode_pixels, encode_labels, resize_pixels
 
@@ -38,7 +37,7 @@ test_multinode.py). They are light beside the training step they feed."""
 
 @dataclass
 class Datasets:
-    """The three event-time slices of the snapshots, as Ray datasets of (input, label_index)."""
+    """The three event-time slices of the table snapshot, as Ray datasets of (input, label_index)."""
 
     train: ray.data.Dataset
     val: ray.data.Dataset
@@ -47,14 +46,10 @@ class Datasets:
 
 
 def build_datasets(
-    settings: Settings,
-    snapshots: SnapshotStore,
-    manifests: list[Manifest],
-    classes: list[str],
-    val_fraction: float,
-    features: bool,
+    settings: Settings, read: TableRead, classes: list[str], val_fraction: float, features: bool
 ) -> Datasets:
-    """Train, validation and test datasets cut at event-time quantiles (`app.selection`)."""
+    """Train, validation and test datasets of the snapshot's data files, cut at event-time
+    quantiles (`app.selection`)."""
     import ray.data
 
     context = ray.data.DataContext.get_current()
@@ -63,29 +58,38 @@ def build_datasets(
     # `ray_remote_args`: behind workers that hold every CPU they never run. The V1 reader honours
     # INPUT_TASK_CPUS.
     context.use_datasource_v2 = False
-    paths = snapshots.data_file_uris(manifests)  # only the files the manifests list, checked
+    paths = list(read.files)  # exactly the snapshot's rows: Argus writes no delete files
     column = "features" if features else "image"
-    # Snapshots cut at another size keep their sources (`SnapshotStore.select` checked): resize those.
-    resize = not features and any(m.image_size != settings.image_size for m in manifests)
-    stored = "source" if resize else column
     size = settings.image_size
-    read_args = {"file_extensions": ["parquet"], "ray_remote_args": {"num_cpus": INPUT_TASK_CPUS}}
-    times = ray.data.read_parquet(paths, columns=["event_time", "label"], **read_args).to_pandas()
-    split = EventTimeSplit.of(times[times["label"].isin(classes)]["event_time"].to_numpy(), val_fraction)
-    dataset = ray.data.read_parquet(paths, columns=[stored, "label", "event_time"], **read_args)
+    # Pixels stored at another size (or at several) come with their sources (`select` checked):
+    # resize those; otherwise every row's pixels are size x size.
+    resize = not features and read.image_size != size
+    stored = "features" if features else "source" if resize else "pixels"
+    # No hive partitioning: `event_date` is in the files themselves, and Ray would add it again.
+    read_args = {
+        "file_extensions": ["parquet"],
+        "partitioning": None,
+        "ray_remote_args": {"num_cpus": INPUT_TASK_CPUS},
+    }
+    times = ray.data.read_parquet(paths, columns=["event_time_ms", "label"], **read_args).to_pandas()
+    split = EventTimeSplit.of(times[times["label"].isin(classes)]["event_time_ms"].to_numpy(), val_fraction)
+    dataset = ray.data.read_parquet(paths, columns=[stored, "label", "event_time_ms"], **read_args)
 
     def labelled(batch):
-        # One map does label filter, slice tag and projection: a separate filter or select_columns
-        # op would schedule 1-CPU tasks.
+        # One map does label filter, slice tag, decoding and projection: a separate filter or
+        # select_columns op would schedule 1-CPU tasks.
         rows = np.isin(batch["label"], classes)
         if rows.any():  # an empty tensor column would not convert to Arrow
-            inputs = batch[stored][rows]
-            if resize:
-                inputs = resize_pixels([decode_pixels(v, size) for v in inputs], size).numpy()
+            if features:
+                inputs = np.stack(batch["features"][rows]).astype(np.float32, copy=False)
+            elif resize:
+                inputs = resize_pixels([decode_pixels(v, size) for v in batch["source"][rows]], size).numpy()
+            else:
+                inputs = chw_images(list(batch["pixels"][rows]), size, size)
             yield {
                 column: inputs,
                 "label_index": encode_labels(batch["label"][rows], classes),
-                "slice": split.slice_of(batch["event_time"][rows]).astype(np.int8),
+                "slice": split.slice_of(batch["event_time_ms"][rows]).astype(np.int8),
             }
 
     rows = dataset.map_batches(labelled, batch_format="numpy", num_cpus=INPUT_TASK_CPUS)
@@ -122,9 +126,9 @@ def _object_store_bytes() -> float:
     return ray.cluster_resources().get("object_store_memory", 0)
 
 
-def class_weights(manifests: list[Manifest], classes: list[str]) -> list[float]:
+def class_weights(label_counts: dict[str, int], classes: list[str]) -> list[float]:
     """Inverse-frequency weights, mean 1: rare classes count as much as common ones in the loss."""
-    counts = np.array([sum(m.label_counts.get(c, 0) for m in manifests) for c in classes], dtype=np.float64)
+    counts = np.array([label_counts.get(c, 0) for c in classes], dtype=np.float64)
     weights = np.where(counts > 0, counts.sum() / np.maximum(counts, 1) / len(classes), 0.0)
     return (weights / weights[weights > 0].mean()).tolist()
 

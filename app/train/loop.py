@@ -1,6 +1,6 @@
 """What runs on each Ray Train worker: `train_loop_per_worker` and its typed `WorkerConfig`.
 
-Each worker streams its shard of the snapshot through Ray Data, augments and normalises each batch
+Each worker streams its shard of the table snapshot through Ray Data, augments and normalises each batch
 on its device, takes `core.train_epoch` (DDP, AMP, gradient accumulation), evaluates on its
 validation shard, checks that every rank holds the same parameters, and reports the epoch with a
 checkpoint (`app.train.checkpoint`). The driver (`app.train.trainer`) builds the config and starts
@@ -52,7 +52,8 @@ class WorkerConfig:
     balance: str
     augment: str
     class_weights: tuple[float, ...]
-    snapshot_ids: tuple[str, ...]
+    snapshot_id: int
+    """The table snapshot the run reads: its checkpoints record it."""
     threads: int
     fail_at_epoch: int | None
     """Fault injection: rank 1 dies mid-way through this epoch, once per run."""
@@ -250,7 +251,7 @@ def train_loop_per_worker(config: dict) -> None:
                 scaler=scaler,
                 epoch=epoch,
                 history=history,
-                snapshot_ids=cfg.snapshot_ids,
+                snapshot_id=cfg.snapshot_id,
                 classes=cfg.classes,
             )
         report_epoch(metrics, state)

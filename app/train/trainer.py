@@ -1,8 +1,9 @@
-"""The training driver: snapshots → Ray Train `TorchTrainer` (DDP, ring all-reduce) → registry.
+"""The training driver: one table snapshot → Ray Train `TorchTrainer` (DDP, ring all-reduce) → registry.
 
     python -m app train --model cnn --image-size 64 --epochs 3 --num-workers 2
 
-`train()` picks the snapshots and their classes, cuts them into event-time slices
+`train()` pins a snapshot of the table (`--snapshots ID`, default the current one) and its
+classes, cuts its rows into event-time slices
 (`app.train.data`), starts the worker group (`app.train.loop`: AdamW with a warmup-then-cosine
 schedule per step, a checkpoint every epoch, `app.train.checkpoint`), and once it is done loads the
 best epoch's weights, judges them on the test slice, logs the run to MLflow and registers the
@@ -27,8 +28,9 @@ from torch import nn
 from app import model as core
 from app import registry
 from app.config import Settings, TrainConfig
-from app.data.manifest import discover_classes
-from app.data.snapshot import SnapshotStore
+from app.data.selection import TableRead, UnsafeDataFile, select
+from app.data.table import ImageTable
+from app.errors import ConfigError
 from app.selection import Verdict, promote_if_better
 from app.train.checkpoint import load_checkpoint
 from app.train.data import build_datasets, class_weights, data_config
@@ -50,24 +52,40 @@ class TrainReport:
     """The test-slice comparison with the champion, when `--promote-if-better` asked for it."""
 
 
+def pinned_read(settings: Settings, snapshot_id: int | None) -> tuple[ImageTable, TableRead]:
+    """The table of `settings` and its snapshot `snapshot_id` (default: the current one) as a
+    reader at `settings.image_size` uses it; ConfigError (exit 2) when there is no such table or
+    snapshot, or no rows to learn from."""
+    table = ImageTable.at(settings.storage, settings.catalog, settings.table, create=False)
+    try:
+        return table, select(table, settings.image_size, snapshot_id)
+    except UnsafeDataFile:  # storage's bytes, not the arguments: a failed run
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
-    """`python -m app train`: fit on snapshots, log to MLflow, register the best epoch's model."""
+    """`python -m app train`: fit on one table snapshot, log to MLflow, register the best epoch's model."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    snapshots = SnapshotStore.at(settings.uri())
-    manifests = snapshots.select(settings.topic, settings.image_size, cfg.snapshots)
-    classes = discover_classes(manifests, settings.classes)
+    table, read = pinned_read(settings, cfg.snapshots)
+    classes = read.classes(settings.classes)
     if len(classes) < 2:
-        raise ValueError(f"training needs at least two classes; the snapshots have {classes}")
-    features = all(m.features for m in manifests)
-    backbone_weights = manifests[0].features_weights if features else cfg.weights
+        raise ConfigError(
+            f"training needs at least two classes; table snapshot {read.snapshot_id} has {classes}"
+        )
+    features = read.features
+    # With features the head sits on the backbone that computed them, as ingest recorded it.
+    backbone_weights = read.features_weights if features else cfg.weights
     arch = "resnet50" if features else settings.model
-    data = build_datasets(settings, snapshots, manifests, classes, cfg.val_fraction, features)
+    data = build_datasets(settings, read, classes, cfg.val_fraction, features)
     split = data.split
     log.info(
-        "training on %d records; the newest %d pick the epoch (event time >= %d), the %d after them "
-        "judge it (event time >= %d)",
+        "training on table snapshot %d: %d records; the newest %d pick the epoch (event time >= %d), "
+        "the %d after them judge it (event time >= %d)",
+        read.snapshot_id,
         split.train,
         split.val,
         split.val_from,
@@ -97,8 +115,8 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
         grad_accum=cfg.grad_accum,
         balance=cfg.balance,
         augment=cfg.augment,
-        class_weights=tuple(class_weights(manifests, classes)),
-        snapshot_ids=tuple(m.snapshot_id for m in manifests),
+        class_weights=tuple(class_weights(read.label_counts, classes)),
+        snapshot_id=read.snapshot_id,
         threads=max(1, int(cfg.cpus_per_worker)) if not cfg.use_gpu else 4,
         fail_at_epoch=cfg.fail_at_epoch,
         fault_marker=f"{storage_path}/{run_name}/.fault-fired",
@@ -151,7 +169,7 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
         image_size=settings.image_size,
         features=features,
         training_kind="ddp",
-        snapshots=[m.lineage() for m in manifests],
+        lineage=read.lineage(),
         metrics={
             "val_accuracy": best_metrics["val_accuracy"],
             "test_accuracy": candidate_accuracy,
@@ -165,7 +183,8 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
         "model": settings.model,
         "image_size": settings.image_size,
         "classes": ",".join(classes),
-        "snapshots": ",".join(worker_config.snapshot_ids),
+        "table": read.table,
+        "table_snapshot_id": read.snapshot_id,
     }
     recall = {
         f"val_recall.{name}": r for name, r in zip(classes, best_metrics["per_class_recall"]) if r is not None
@@ -182,7 +201,7 @@ def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
             "test_accuracy": candidate_accuracy,
         },
         title=f"{run_name} ({settings.model})",
-        inputs=[(snapshots.uri(m.snapshot_id), m.lineage()) for m in manifests],
+        inputs=[(table.load().location(), read.lineage())],
     )
     version = registry.register(settings.tracking_uri, settings.model_name, run_id, net, card)
     verdict = None

@@ -29,7 +29,7 @@ def register_untrained(settings: Settings) -> str:
         image_size=settings.image_size,
         features=False,
         training_kind="ddp",
-        snapshots=[],
+        lineage={},
         metrics={},
     )
     with registry.start_run(settings.tracking_uri, registry.artifact_root(settings), "untrained") as run:

@@ -1,5 +1,5 @@
 """Federated learning: Flower's strategies and our ClientApp on real Ray actors, on CPU, against
-snapshots and a registry that real ingest and training made."""
+a table snapshot and a registry that real ingest and training made."""
 
 from __future__ import annotations
 
@@ -80,10 +80,16 @@ def test_rounds_learn_on_non_iid_users_register_and_resume(trained, ray_cluster)
     client = mlflow.MlflowClient()
     version = client.get_model_version(settings.model_name, report.version)
     assert version.tags["training_kind"] == "federated"
-    assert version.tags["snapshot_ids"] == snapshot.snapshot_id
+    # Lineage: the table snapshot the ingest committed (the current one: no --snapshots given).
+    assert version.tags["argus.table_snapshot_id"] == str(snapshot.snapshot_id)
     run = client.get_run(report.run_id)
     assert run.data.params["rounds"] == "2" and run.data.params["clients"] == "4"
-    assert run.data.params["dp_clip"] == "None" and run.data.params["snapshots"] == snapshot.snapshot_id
+    assert run.data.params["dp_clip"] == "None"
+    assert run.data.params["table_snapshot_id"] == str(snapshot.snapshot_id)
+    card = registry.load(settings.tracking_uri, settings.model_name, report.version).card
+    assert card.table_snapshot_id == snapshot.snapshot_id and card.lineage["table"] == settings.table
+    (dataset,) = run.inputs.dataset_inputs
+    assert dataset.dataset.name == str(snapshot.snapshot_id)
     assert {"curves.png", "history.json", "model"} <= {a.path for a in client.list_artifacts(report.run_id)}
     assert len(client.get_metric_history(report.run_id, "val_accuracy")) == 2
     # The server judged each round's global model on the central test slice, which no client read.
@@ -223,6 +229,8 @@ def test_init_from_a_model_that_does_not_fit_is_a_clear_error(trained, caplog):
         )
     with pytest.raises(ConfigError, match="users"):
         federate(settings, FederateConfig(rounds=1, clients=5000, clients_per_round=2))
+    with pytest.raises(ConfigError, match="has no snapshot 12345"):
+        federate(settings, FederateConfig(rounds=1, clients=2, clients_per_round=2, snapshots=12345))
     budget = FederateConfig(
         rounds=3, clients=2, clients_per_round=2, dp_clip=1.0, dp_noise=0.5, dp_max_epsilon=1
     )

@@ -2,8 +2,8 @@
 --engine deployment` starts a SuperLink with TLS and SuperNode authentication (a CA and certificates
 made here) and registers three devices' keys; three `argus device` processes train on image folders
 of their own; a device with an unregistered key, one without TLS and one that does not trust the
-SuperLink's certificate are refused. The server keeps its own central snapshot for the test slice;
-no broker or Ray is involved."""
+SuperLink's certificate are refused. The server keeps its own central table snapshot for the test
+slice; no broker or Ray is involved."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import pytest
 from app import registry
 from app.config import Settings
 from app.data import synth
+from app.data.table import ImageTable
 from app.fl import FederateConfig, federate
 from app.fl.superlink import FlowerControl, descendants, flower_env, flower_program
 from app.fl.task import exchanged_keys, model_arrays
@@ -47,8 +48,8 @@ def image_folder(directory: Path, classes: list[str], seed: int) -> Path:
 
 
 def central_snapshot(settings: Settings) -> list[str]:
-    """The server's own data, a snapshot of synthetic records (its newest slice is the test slice);
-    its classes."""
+    """The server's own data, a table commit of synthetic records (its newest slice is the test
+    slice); its classes."""
     records = list(synth.generate(240, seed=7, users=12, size=TEST_IMAGE_SIZE))
     images = resize_pixels([decode_pixels(r.value, TEST_IMAGE_SIZE) for r in records], TEST_IMAGE_SIZE)
     commit_snapshot(
@@ -180,7 +181,10 @@ def test_devices_train_over_tls_and_the_server_registers_their_model(tmp_path):
             assert set(arrays) == model_keys and {dtype for dtype, _ in arrays.values()} == {"float16"}
         assert set(schema["metrics"]) == {"metrics"}
     card = registry.load(settings.tracking_uri, settings.model_name, result.version).card
-    assert card.training_kind == "federated" and card.snapshots  # lineage: the central test slice's data
+    # Lineage: the table snapshot that held the central test slice's data.
+    assert card.training_kind == "federated" and card.lineage["table"] == settings.table
+    current = ImageTable.at(settings.storage, settings.catalog, settings.table).current_snapshot_id()
+    assert card.table_snapshot_id == current
     import mlflow
 
     run = mlflow.MlflowClient(settings.tracking_uri).get_run(result.run_id)

@@ -1,6 +1,6 @@
 """Producing and ingesting against the real embedded broker and a real local Ray.
 
-Every consumed offset must land exactly once: in a snapshot or in the dead-letter topic.
+Every consumed offset must land exactly once: in the Iceberg table or in the dead-letter topic.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from app.data import synth
 from app.data.ingest import ingest
 from app.data.produce import produce
 from app.data.records import SCHEMA_VERSION, record_headers
-from app.data.snapshot import MANIFEST, SnapshotStore
+from app.data.selection import chw_images
+from app.data.table import ImageTable
 from app.transform import normalize_pixels, preprocess
 
 from conftest import ROOT, child_env, run_cli, settings_args
@@ -49,19 +50,22 @@ def consume_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 30
     return records
 
 
-def snapshots_of(settings) -> SnapshotStore:
-    return SnapshotStore.at(settings.uri())
+def table_of(settings) -> ImageTable:
+    return ImageTable.at(settings.storage, settings.catalog, settings.table)
 
 
-def list_manifests(settings) -> list:
-    return snapshots_of(settings).manifests()
+def snapshot_rows(settings, snapshot_id: int | None = None) -> list[dict]:
+    """The table's rows as of `snapshot_id` (default: now)."""
+    table = table_of(settings)
+    return table.scan(snapshot_id or table.current_snapshot_id()).to_pylist()
 
 
-def snapshot_rows(settings, snapshot_id: str) -> list[dict]:
-    import ray.data
+def coordinates_of(rows) -> list[tuple[int, int]]:
+    return [(r["kafka_partition"], r["kafka_offset"]) for r in rows]
 
-    uri = snapshots_of(settings).uri(snapshot_id)
-    return ray.data.read_parquet(uri, file_extensions=["parquet"]).take_all()
+
+def summary(settings, snapshot_id: int) -> dict[str, str]:
+    return table_of(settings).load().snapshot_by_id(snapshot_id).summary.additional_properties
 
 
 def send(settings, records) -> list[tuple[int, int]]:
@@ -144,21 +148,21 @@ def test_ingest_is_exact_and_resumable(settings, ray_cluster, monkeypatch, caplo
     assert first.snapshot_id and first.records == 61 and first.dlq == 11
     assert any(r.getMessage().endswith("of 72 offsets written as records so far") for r in caplog.records)
     rows = snapshot_rows(settings, first.snapshot_id)
-    assert {(r["partition"], r["offset"]) for r in rows} == good and len(rows) == 61
-    manifest = json.loads(open(f"{snapshots_of(settings).uri(first.snapshot_id)}/{MANIFEST}").read())
-    assert manifest["records"] == 61 and manifest["dlq"] == 11
-    assert manifest["classes"] == list(synth.DEFAULT_CLASSES)
-    assert manifest["normalization"]["mean"] == [0.485, 0.456, 0.406] and manifest["image_size"] == 32
-    assert manifest["pixels"] == "uint8" and manifest["source"] is False
-    assert sum(o["end"] - o["start"] for o in manifest["offsets"].values()) == 72
-    assert manifest["event_time"]["late_records"] == 1
-    assert [r["key"] for r in rows if r["late"]] == ["user-late"]
+    assert set(coordinates_of(rows)) == good and len(rows) == 61
+    committed = summary(settings, first.snapshot_id)
+    assert committed["argus.dlq.records"] == "11" and committed["argus.records.late"] == "1"
+    ranges = json.loads(committed["argus.kafka.ranges"])
+    assert sum(end - start for start, end in ranges.values()) == 72
+    assert json.loads(committed["argus.kafka.committed"]) == {p: end for p, (_, end) in ranges.items()}
+    assert sum(json.loads(committed["argus.dlq.errors"]).values()) == 11
+    assert {r["height"] for r in rows} == {32} and "source" not in rows[0]
 
-    # Snapshots hold uint8 pixels; normalised as the training step does, they are what serving
+    # The table holds uint8 pixels; normalised as the training step does, they are what serving
     # computes from the same bytes, bit for bit.
-    by_coordinate = {(r["partition"], r["offset"]): r for r in rows}
+    by_coordinate = {(r["kafka_partition"], r["kafka_offset"]): r for r in rows}
     for (partition, offset), record in list(zip(coordinates, valid))[:5]:
-        stored = torch.as_tensor(np.array(by_coordinate[(partition, offset)]["image"]))
+        row = by_coordinate[(partition, offset)]
+        stored = torch.as_tensor(chw_images([row["pixels"]], row["height"], row["width"])[0])
         assert stored.dtype == torch.uint8 and stored.shape == (3, 32, 32)
         assert torch.equal(normalize_pixels(stored[None])[0], preprocess([record[1]], 32)[0])
 
@@ -173,12 +177,13 @@ def test_ingest_is_exact_and_resumable(settings, ray_cluster, monkeypatch, caplo
 
     again = ingest(settings, cfg, settings.kafka_connection())
     assert again.snapshot_id is None and "nothing new" in str(again)
-    assert len(list_manifests(settings)) == 1
+    assert len(table_of(settings).load().snapshots()) == 1
 
     more = send(settings, valid_records(20, seed=2))
     second = ingest(settings, cfg, settings.kafka_connection())
     assert second.records == 20 and second.dlq == 0
-    assert {(r["partition"], r["offset"]) for r in snapshot_rows(settings, second.snapshot_id)} == set(more)
+    assert set(coordinates_of(snapshot_rows(settings, second.snapshot_id))) == good | set(more)
+    assert set(coordinates_of(snapshot_rows(settings, first.snapshot_id))) == good  # pinned: as it was
 
     committed = KafkaConsumer(bootstrap_servers=settings.bootstrap_servers, group_id=cfg.group)
     ends = {p: e for p, (_, e) in second.offsets.items()}
@@ -191,8 +196,8 @@ def test_an_ingest_while_its_group_has_a_member_commits_and_mirrors_the_offsets_
     settings, ray_cluster, caplog
 ):
     """Kafka refuses a commit from outside a group that has members (a watch on it, or a killed one
-    until its session times out). The snapshot and the ledger are the commit, so the ingest still
-    succeeds; the group's offsets catch up with the next ingest once the group is empty."""
+    until its session times out). The table's commit is the commit, so the ingest still succeeds;
+    the group's offsets catch up with the next ingest once the group is empty."""
     import time
 
     caplog.set_level(logging.WARNING, logger="app.data.kafka")
@@ -210,8 +215,7 @@ def test_an_ingest_while_its_group_has_a_member_commits_and_mirrors_the_offsets_
         member.close()
     assert first.records == 6
     assert any(f"consumer group {cfg.group}'s offsets" in r.getMessage() for r in caplog.records)
-    ledger = json.loads(open(f"{settings.storage}/offsets/{cfg.group}.json").read())
-    assert sum(ledger["offsets"].values()) == 6
+    assert sum(table_of(settings).committed().values()) == 6
 
     send(settings, valid_records(3, seed=6))
     second = ingest(settings, cfg, settings.kafka_connection())
@@ -251,7 +255,7 @@ def test_records_without_a_label_or_schema_header_are_kept_as_unlabelled_ubi_v1(
 
     report = ingest(settings, IngestConfig(), settings.kafka_connection())
     assert report.records == 4 and report.dlq == 1
-    rows = {(r["partition"], r["offset"]): r for r in snapshot_rows(settings, report.snapshot_id)}
+    rows = {(r["kafka_partition"], r["kafka_offset"]): r for r in snapshot_rows(settings, report.snapshot_id)}
     assert set(rows) == {where[name] for name in sent}
     assert {name: rows[where[name]]["label"] for name in sent} == {
         "no label": None,
@@ -259,15 +263,14 @@ def test_records_without_a_label_or_schema_header_are_kept_as_unlabelled_ubi_v1(
         "neither": None,
         "another schema": label,
     }
-    manifest = list_manifests(settings)[0]
-    assert manifest.label_counts == {label: 2} and manifest.dlq_errors == {"undecodable_image": 1}
+    assert json.loads(summary(settings, report.snapshot_id)["argus.dlq.errors"]) == {"undecodable_image": 1}
     [dead] = consume_all(settings.bootstrap_servers, settings.dlq_topic, 1)
     headers = {k: v.decode() for k, v in dead.headers}
     assert headers["error"].startswith("undecodable")
     assert (int(headers["source_partition"]), int(headers["source_offset"])) == where["undecodable"]
 
 
-@pytest.mark.parametrize("fault", ["after_write", "before_manifest", "before_commit"])
+@pytest.mark.parametrize("fault", ["after_write", "before_commit", "after_commit"])
 def test_ingest_killed_then_rerun_loses_and_duplicates_nothing(settings, ray_cluster, fault):
     import ray
 
@@ -278,9 +281,8 @@ def test_ingest_killed_then_rerun_loses_and_duplicates_nothing(settings, ray_clu
     ingest(settings, IngestConfig(), settings.kafka_connection())  # the rerun, on the same Ray
     again = ingest(settings, IngestConfig(), settings.kafka_connection())
     assert str(again).startswith("nothing new"), again
-    manifests = list_manifests(settings)
-    rows = [row for m in manifests for row in snapshot_rows(settings, m.snapshot_id)]
-    assert len(rows) == 30 and {(r["partition"], r["offset"]) for r in rows} == set(coordinates)
+    rows = snapshot_rows(settings)
+    assert sorted(coordinates_of(rows)) == sorted(coordinates)
 
 
 def test_ingest_with_use_gpu_puts_the_preprocessing_actors_on_gpus(settings, ray_cluster):
@@ -295,7 +297,7 @@ def test_ingest_with_use_gpu_puts_the_preprocessing_actors_on_gpus(settings, ray
     report = ingest(settings, IngestConfig(use_gpu=True), settings.kafka_connection())
     assert report.records == 20
     rows = snapshot_rows(settings, report.snapshot_id)
-    assert {(r["partition"], r["offset"]) for r in rows} == set(coordinates)
+    assert sorted(coordinates_of(rows)) == sorted(coordinates)
 
     class ResourceProbe(Preprocessor):  # the pool as ingest sizes it; each batch says what its actor holds
         def __call__(self, batch):
@@ -306,21 +308,13 @@ def test_ingest_with_use_gpu_puts_the_preprocessing_actors_on_gpus(settings, ray
     assert {row["held"] for row in probe.take_all()} == {json.dumps({"GPU": 1.0})}
 
 
-def test_one_writer_at_a_time_the_other_says_so_and_writes_nothing(settings, ray_cluster):
+def test_two_ingests_started_together_commit_every_offset_once(settings, ray_cluster):
+    """No lease: both read, the catalog takes one commit, and the loser, refused, plans again from
+    the table and finds nothing left (or commits what came after)."""
     import ray
-
-    from app.data.ingest import ingest_lease
 
     coordinates = send(settings, valid_records(40, seed=6))
     args = ["ingest", *settings_args(settings), "--ray-address", ray.get_runtime_context().gcs_address]
-    with ingest_lease(snapshots_of(settings).store, settings.topic).held():  # a writer that is mid-way
-        held = run_cli(*args)
-    assert held.returncode == 0, held.stderr[-2000:]
-    assert held.stdout.strip().startswith("another ingest is writing") and len(held.stdout.splitlines()) == 1
-    assert not list_manifests(settings)
-    assert not list((settings.local_storage_path / "snapshots").glob("**/*.parquet"))
-
-    # Two started together: whichever loses writes nothing, and every offset lands exactly once.
     racers = [
         subprocess.Popen(
             [sys.executable, "-m", "app", *args],
@@ -335,21 +329,10 @@ def test_one_writer_at_a_time_the_other_says_so_and_writes_nothing(settings, ray
     outputs = [racer.communicate(timeout=300) for racer in racers]
     assert [racer.returncode for racer in racers] == [0, 0], [err[-2000:] for _, err in outputs]
     firsts = sorted(out.strip().split(":")[0].split(" ")[0] for out, _ in outputs)
-    assert firsts in (["another", "snapshot"], ["nothing", "snapshot"]), outputs
-    rows = [row for m in list_manifests(settings) for row in snapshot_rows(settings, m.snapshot_id)]
-    assert sorted((r["partition"], r["offset"]) for r in rows) == sorted(coordinates)
-
-
-def test_a_snapshot_committed_meanwhile_over_the_same_offsets_aborts_the_commit(settings, ray_cluster):
-    from app.data.plan import check_no_overlap
-
-    send(settings, valid_records(10, seed=8))
-    first = ingest(settings, IngestConfig(), settings.kafka_connection())
-    snapshots, after = snapshots_of(settings), {p: (end, end + 5) for p, (_, end) in first.offsets.items()}
-    check_no_overlap(snapshots, settings.topic, after)  # after it: fine
-    partition, (start, end) = next(iter(first.offsets.items()))
-    with pytest.raises(RuntimeError, match=f"snapshot {first.snapshot_id} was committed meanwhile"):
-        check_no_overlap(snapshots, settings.topic, {partition: (end - 1, end + 3)})
+    assert firsts == ["nothing", "table"], outputs
+    rows = snapshot_rows(settings)
+    assert sorted(coordinates_of(rows)) == sorted(coordinates)
+    assert len(table_of(settings).load().snapshots()) == 1
 
 
 def test_transaction_markers_and_aborted_records_are_skipped_offsets_not_a_failure(settings, ray_cluster):
@@ -380,13 +363,12 @@ def test_transaction_markers_and_aborted_records_are_skipped_offsets_not_a_failu
 
     report = ingest(settings, IngestConfig(), settings.kafka_connection())
     assert report.records == 12 and report.dlq == 0
-    manifest = list_manifests(settings)[0]
-    skipped = sum(r.skipped for r in manifest.offsets.values())
-    assert skipped > 0 and all(
-        r.records + r.dlq + r.skipped == r.end - r.start for r in manifest.offsets.values()
-    )
+    committed_summary = summary(settings, report.snapshot_id)
+    ranges = json.loads(committed_summary["argus.kafka.ranges"])
+    skipped = int(committed_summary["argus.kafka.skipped"])
+    assert skipped > 0 and 12 + skipped == sum(end - start for start, end in ranges.values())
     rows = snapshot_rows(settings, report.snapshot_id)
-    assert sorted(r["key"] for r in rows) == sorted(key for key, *_ in committed)
+    assert sorted(r["user_id"] for r in rows) == sorted(key for key, *_ in committed)
     assert ingest(settings, IngestConfig(), settings.kafka_connection()).snapshot_id is None
 
 
@@ -427,41 +409,3 @@ def test_a_dead_letter_too_large_for_the_dlq_topic_goes_to_storage_with_a_pointe
     assert headers["error"].startswith("header label of 600000 bytes is over its 128 byte limit: b'xxx")
     assert labelled.value == image  # small enough for the topic without its label
     assert len(labelled.value) + sum(len(k) + len(v) for k, v in labelled.headers) < 4000
-
-
-def test_migrate_moves_real_snapshots_into_the_table_each_offset_once(settings, ray_cluster):
-    """Two real ingests (dead letters included) in the old layout, `argus migrate`, then the table
-    read through PyIceberg alone: every snapshot row once with its pixels, the offsets continued."""
-    from pyiceberg.catalog.sql import SqlCatalog
-
-    from app.__main__ import main
-
-    cfg = IngestConfig()
-    produce(settings, ProduceConfig(synthetic=40, seed=3, corrupt_fraction=0.1), settings.kafka_connection())
-    first = ingest(settings, cfg, settings.kafka_connection())
-    send(settings, valid_records(10, seed=4))
-    second = ingest(settings, cfg, settings.kafka_connection())
-    assert first.dlq > 0 and second.records == 10
-    rows = snapshot_rows(settings, first.snapshot_id) + snapshot_rows(settings, second.snapshot_id)
-
-    assert main(["migrate", *settings_args(settings)]) == 0
-    catalog = SqlCatalog(
-        "argus",
-        uri=f"sqlite:///{settings.local_storage_path / 'catalog.db'}",
-        warehouse=f"file://{settings.local_storage_path / 'warehouse'}",
-    )
-    table = catalog.load_table("argus.behavior_images")
-    migrated = {(r["kafka_partition"], r["kafka_offset"]): r for r in table.scan().to_arrow().to_pylist()}
-    assert len(migrated) == len(rows) == first.records + second.records
-    for row in rows:
-        copy = migrated[(row["partition"], row["offset"])]
-        assert copy["pixels"] == np.array(row["image"]).transpose(1, 2, 0).tobytes()
-        assert (copy["user_id"], copy["label"], copy["event_time_ms"]) == (
-            row["key"],
-            row["label"],
-            row["event_time"],
-        )
-    summaries = [s.summary.additional_properties for s in table.snapshots()]
-    assert [int(s["argus.dlq.records"]) for s in summaries] == [first.dlq, second.dlq]
-    ends = {str(p): end for p, (_, end) in {**first.offsets, **second.offsets}.items()}
-    assert json.loads(summaries[-1]["argus.kafka.committed"]) == ends

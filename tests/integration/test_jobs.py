@@ -20,7 +20,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from app import registry
 from app.config import ProduceConfig, Settings
 from app.data.produce import produce
-from app.data.snapshot import SnapshotStore
+from app.data.table import ImageTable
 from app.net import free_port
 from app.serve.promote import wait_for_rollout
 
@@ -101,12 +101,13 @@ def test_every_stage_runs_as_a_job(head_node, broker, mlflow_server, tmp_path, m
     ]
     job = submit(head_node, "ingest", *common)
     logs = wait_for_job(head_node, job)
-    assert "snapshot snap-" in logs
+    assert "table snapshot " in logs
     # Its driver joined the job's cluster (Ray gives it RAY_ADDRESS) rather than starting a Ray of its
     # own: the head's GCS knows the driver of this submission only then.
     assert JobSubmissionClient(head_node).get_job_info(job).driver_info is not None
-    [snapshot] = SnapshotStore.at(settings.uri()).manifests()
-    assert snapshot.records + snapshot.dlq == 240
+    table = ImageTable.at(settings.storage, settings.catalog, settings.table)
+    snapshot_id = table.current_snapshot_id()
+    assert sum(table.committed(snapshot_id).values()) == 240  # every offset: a row or a dead letter
 
     # Federated training as a job: Flower's clients run on the job's cluster, which outlives it. The
     # first version of the name becomes the champion the retraining job must beat.
@@ -119,7 +120,7 @@ def test_every_stage_runs_as_a_job(head_node, broker, mlflow_server, tmp_path, m
     first = registry.load(settings.tracking_uri, settings.model_name, "1")
     assert first.card.training_kind == "federated"
     # The artifacts went through the server into its store (the session shares it: v1's run's own
-    # folder there), not beside the snapshots.
+    # folder there), not beside the table.
     import mlflow
 
     server = mlflow.MlflowClient(mlflow_server.url)
@@ -144,7 +145,7 @@ def test_every_stage_runs_as_a_job(head_node, broker, mlflow_server, tmp_path, m
     # `mlflow.pyfunc.load_model` loads, as test_serve.py does) is in the server's store.
     trained_run = server.get_run(server.get_model_version(settings.model_name, "2").run_id)
     (dataset,) = trained_run.inputs.dataset_inputs
-    assert dataset.dataset.name == snapshot.snapshot_id
+    assert dataset.dataset.name == str(snapshot_id)
     assert list(mlflow_server.artifacts.glob(f"*/{trained_run.info.run_id}/artifacts/model/MLmodel"))
 
     # The long-lived watch as a job: it ingests what arrived since and stops after one micro-batch.
@@ -155,7 +156,7 @@ def test_every_stage_runs_as_a_job(head_node, broker, mlflow_server, tmp_path, m
     )
     logs = wait_for_job(head_node, submit(head_node, "watch", *common, "--max-ticks", "1"))
     assert "watch stopped after" in logs, logs[-3000:]
-    assert 240 < sum(m.records + m.dlq for m in SnapshotStore.at(settings.uri()).manifests()) <= 300
+    assert 240 < sum(table.committed().values()) <= 300
 
     # serve --detach as a job: the deployment outlives it; drift and promote as jobs against it.
     champion = registry.resolve(settings.tracking_uri, settings.model_name, "champion")

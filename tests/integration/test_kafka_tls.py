@@ -20,7 +20,7 @@ from app.data.broker import EmbeddedBroker
 from app.data.ingest import ingest
 from app.data.kafka import MAX_MESSAGE_BYTES, partitions_of, probe_end_offsets
 from app.data.produce import produce
-from app.data.snapshot import SnapshotStore
+from app.data.table import ImageTable
 from app.data.watch import measure_lag
 from app.net import accepts, free_port
 
@@ -101,7 +101,6 @@ def committed_offsets(settings: Settings, group: str) -> dict[int, int]:
 
 
 def test_produce_and_ingest_over_tls_with_the_right_ca(tls_broker, tmp_path, ray_cluster):
-    import ray.data
     from kafka.admin import ConfigResource, ConfigResourceType
 
     settings = tls_settings(tls_broker, tmp_path, tls_broker.ca)
@@ -114,10 +113,9 @@ def test_produce_and_ingest_over_tls_with_the_right_ca(tls_broker, tmp_path, ray
     report = ingest(settings, IngestConfig(), kafka)
 
     assert report.records + report.dlq == 20 and report.dlq >= 1, report
-    rows = ray.data.read_parquet(
-        SnapshotStore.at(settings.uri()).uri(report.snapshot_id), file_extensions=["parquet"]
-    )
-    assert len({(row["partition"], row["offset"]) for row in rows.take_all()}) == report.records
+    table = ImageTable.at(settings.storage, settings.catalog, settings.table)
+    rows = table.scan(report.snapshot_id, ["kafka_partition", "kafka_offset"]).to_pylist()
+    assert len({(row["kafka_partition"], row["kafka_offset"]) for row in rows}) == report.records
     assert sum(e - s for s, e in report.offsets.values()) == 20
     dlq_partitions = partitions_of(kafka, settings.dlq_topic)
     assert sum(probe_end_offsets(kafka, settings.dlq_topic, dlq_partitions).values()) == report.dlq
@@ -158,5 +156,5 @@ def test_a_wrong_ca_fails_in_one_line_and_commits_nothing(tls_broker, tmp_path):
     assert len(lines) == 1, result.stderr
     assert "TLS handshake with Kafka failed" in lines[0] and "CERTIFICATE_VERIFY_FAILED" in lines[0], lines
     assert str(tls_broker.wrong_ca) in lines[0]
-    assert SnapshotStore.at(good.uri()).manifests() == []
+    assert not (good.local_storage_path / "catalog.db").exists()  # no table, not even an empty one
     assert all(offset < 0 for offset in committed_offsets(good, IngestConfig().group).values())

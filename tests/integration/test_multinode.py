@@ -15,7 +15,7 @@ import requests
 from app.config import IngestConfig, ProduceConfig, Settings
 from app.data.ingest import ingest
 from app.data.produce import produce
-from app.data.snapshot import SnapshotStore
+from app.data.table import ImageTable
 from app.net import free_port
 from app.serve.promote import wait_for_rollout
 
@@ -268,45 +268,44 @@ def test_workers_holding_every_cpu_still_get_their_streamed_input(cluster, setti
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ingest_losing_a_node_commits_exactly_or_nothing_and_the_rerun_is_exact(cluster, produced_settings):
-    """The worker node dies once the first snapshot file is written: Ray retries the lost tasks to
-    an exact snapshot, or ingest fails with nothing committed; either way, after a rerun every
-    offset is in the snapshots exactly once."""
+    """The worker node dies once the first data file is written: Ray retries the lost tasks to an
+    exact commit, or ingest fails with nothing committed; either way, after a rerun every offset is
+    in the table exactly once."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     settings = produced_settings
     cluster.add_node("worker", num_cpus=2)
     common = settings_args(settings)
     job = submit(cluster.dashboard, "ingest", *common)
-    snapshots = Path(settings.storage, "snapshots")
+    data = Path(settings.storage, "warehouse")
     deadline = time.monotonic() + 300
-    while not any(snapshots.glob("**/*.parquet")):
+    while not any(data.glob("**/*.parquet")):
         assert time.monotonic() < deadline, "ingest wrote nothing"
         time.sleep(0.2)
-    snapshots = SnapshotStore.at(settings.uri())
+    table = ImageTable.at(settings.storage, settings.catalog, settings.table)
     client = JobSubmissionClient(cluster.dashboard)
     # The node must die under a running, uncommitted ingest, or the test proves nothing.
-    assert client.get_job_status(job) == JobStatus.RUNNING and snapshots.manifests() == []
+    assert client.get_job_status(job) == JobStatus.RUNNING and table.current_snapshot_id() is None
     killed_at = cluster.kill("worker")
     while (status := client.get_job_status(job)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED}:
         assert time.monotonic() < deadline + 300, f"ingest {status} after the node loss"
         time.sleep(2)
-    committed = list(Path(settings.storage, "snapshots").glob("*/_manifest.json"))
+    commits = table.load().snapshots()
     if status == JobStatus.FAILED:
-        assert committed == []  # nothing half-committed
+        assert commits == []  # nothing half-committed
     else:  # Ray retried the lost tasks: the one commit came after the node died
-        assert len(committed) == 1 and committed[0].stat().st_mtime > killed_at, committed
+        assert len(commits) == 1 and commits[0].timestamp_ms / 1000 > killed_at, commits
     wait_for_job(cluster.dashboard, submit(cluster.dashboard, "ingest", *common))  # the rerun
-    import pyarrow.parquet as pq
 
-    manifests = snapshots.manifests()
-    tables = [
-        pq.read_table(uri, columns=["partition", "offset"]) for uri in snapshots.data_file_uris(manifests)
-    ]
-    coordinates = [pair for t in tables for pair in zip(t["partition"].to_pylist(), t["offset"].to_pylist())]
-    assert len(coordinates) == len(set(coordinates)) == 960 - sum(m.dlq for m in manifests)
-    print(
-        f"ingest after the node loss: {status.value}; {len(manifests)} snapshot(s), {len(coordinates)} rows"
+    snapshot_id = table.current_snapshot_id()
+    rows = table.scan(snapshot_id, ["kafka_partition", "kafka_offset"])
+    coordinates = list(zip(rows["kafka_partition"].to_pylist(), rows["kafka_offset"].to_pylist()))
+    dead_letters = sum(
+        int(s.summary.additional_properties["argus.dlq.records"]) for s in table.load().snapshots()
     )
+    assert len(coordinates) == len(set(coordinates)) == 960 - dead_letters
+    assert sum(table.committed(snapshot_id).values()) == 960
+    print(f"ingest after the node loss: {status.value}; {len(coordinates)} rows, {dead_letters} dead letters")
 
 
 @pytest.mark.slow

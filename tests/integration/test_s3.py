@@ -1,11 +1,11 @@
-"""Argus on an object store: a real S3 API server (moto, on 127.0.0.1) holds the snapshots, the
-ingest lease and MLflow's artifacts, configured the standard way (AWS_ENDPOINT_URL and keys in the
-environment). No step may rely on renaming a directory, which S3 cannot do."""
+"""Argus on an object store: a real S3 API server (moto, on 127.0.0.1) holds the table's warehouse
+(its Parquet and metadata files) and MLflow's artifacts, configured the standard way
+(AWS_ENDPOINT_URL and keys in the environment); the catalog is a SQLite file, as `--catalog` names
+it. No step may rely on renaming a directory, which S3 cannot do."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import requests
@@ -14,19 +14,27 @@ from app.config import IngestConfig, ProduceConfig, ServeConfig, TrainConfig
 from app.data import synth
 from app.data.ingest import ingest
 from app.data.produce import produce
-from app.data.snapshot import MANIFEST, SnapshotStore, UnreadableManifest, read_rows
+from app.data.table import ImageTable
+from app.errors import ConfigError
 from app.net import free_port
-from app.storage import Store, s3_client
+from app.storage import s3_client
 
 from conftest import run_cli, settings_args
 
 
 @pytest.fixture
 def s3(settings, s3_bucket, tmp_path):
-    """The test's settings with storage in a fresh bucket and MLflow's tracking DB on local disk."""
+    """The test's settings with storage in a fresh bucket, the catalog and MLflow's tracking DB on
+    local disk."""
     return dataclasses.replace(
-        settings, storage=f"s3://{s3_bucket}/argus", mlflow_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"
+        settings,
+        storage=f"s3://{s3_bucket}/argus",
+        catalog=f"sqlite:///{tmp_path / 'catalog.db'}",
+        mlflow_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
     )
+
+
+WAREHOUSE = "argus/warehouse/argus/behavior_images"
 
 
 def keys(bucket: str, prefix: str) -> list[str]:
@@ -38,18 +46,21 @@ def keys(bucket: str, prefix: str) -> list[str]:
     )
 
 
-def manifests(settings) -> list:
-    return SnapshotStore.at(settings.uri()).manifests()
+def table_of(settings) -> ImageTable:
+    return ImageTable.at(settings.storage, settings.catalog, settings.table)
 
 
-def snapshot_coordinates(settings) -> list[tuple[int, int]]:
-    """(partition, offset) of every row in every committed snapshot, read as train reads them."""
-    snapshots = SnapshotStore.at(settings.uri())
-    uris = [snapshots.uri(m.snapshot_id) for m in snapshots.manifests()]
-    if not uris:
+def table_coordinates(settings) -> list[tuple[int, int]]:
+    """(partition, offset) of every row of the table's current snapshot, read as train reads it:
+    the snapshot's data files, straight from S3."""
+    from app.data.selection import read_rows
+
+    table = table_of(settings)
+    snapshot_id = table.current_snapshot_id()
+    if snapshot_id is None:
         return []
-    table = read_rows(uris, ["partition", "offset"])
-    return list(zip(table.column("partition").to_pylist(), table.column("offset").to_pylist(), strict=True))
+    rows = read_rows(table.data_file_uris(snapshot_id), ["kafka_partition", "kafka_offset"])
+    return list(zip(rows.column("kafka_partition").to_pylist(), rows.column("kafka_offset").to_pylist()))
 
 
 @pytest.mark.slow
@@ -64,15 +75,17 @@ def test_produce_ingest_train_register_and_serve_on_s3(s3, s3_bucket, ray_cluste
     produce(s3, ProduceConfig(synthetic=160, seed=5, source_image_size=32, corrupt_fraction=0.05), kafka)
     first = ingest(s3, IngestConfig(), kafka)
     assert first.snapshot_id and first.records + first.dlq == 160 and first.dlq > 0
-    stored = keys(s3_bucket, f"argus/snapshots/{first.snapshot_id}/")
-    manifest = json.loads(s3_client().get_object(Bucket=s3_bucket, Key=stored[0])["Body"].read())
-    assert stored[0].endswith(MANIFEST) and manifest["records"] == first.records
-    listed = {f"argus/snapshots/{first.snapshot_id}/{f['path']}" for f in manifest["files"]}
-    assert listed == set(stored[1:]) and all(len(f["sha256"]) == 64 for f in manifest["files"])
+    stored = keys(s3_bucket, f"{WAREHOUSE}/")
+    listed = {
+        uri.removeprefix(f"s3://{s3_bucket}/") for uri in table_of(s3).data_file_uris(first.snapshot_id)
+    }
+    assert listed == {k for k in stored if k.startswith(f"{WAREHOUSE}/data/")}  # every file committed
+    assert any(k.startswith(f"{WAREHOUSE}/metadata/") for k in stored)  # the table's metadata on S3 too
+    assert len(table_coordinates(s3)) == first.records
     assert not [k for k in keys(s3_bucket, "argus/") if ".tmp" in k]  # nothing staged, nothing renamed
 
     again = ingest(s3, IngestConfig(), kafka)
-    assert again.snapshot_id is None and keys(s3_bucket, "argus/snapshots/") == stored
+    assert again.snapshot_id is None and keys(s3_bucket, f"{WAREHOUSE}/") == stored
 
     report = train(s3, TrainConfig(epochs=1, num_workers=1, batch_size=32, max_failures=0, run_name="on-s3"))
     weights = [k for k in keys(s3_bucket, "argus/mlartifacts/") if k.endswith("weights.safetensors")]
@@ -90,7 +103,7 @@ def test_produce_ingest_train_register_and_serve_on_s3(s3, s3_bucket, ray_cluste
         serve.shutdown()
 
 
-@pytest.mark.parametrize("fault", ["after_write", "before_manifest", "before_commit"])
+@pytest.mark.parametrize("fault", ["after_write", "before_commit", "after_commit"])
 def test_ingest_killed_at_each_commit_step_reruns_exactly_on_s3(s3, s3_bucket, ray_cluster, fault):
     import ray
 
@@ -99,60 +112,38 @@ def test_ingest_killed_at_each_commit_step_reruns_exactly_on_s3(s3, s3_bucket, r
     args = ["ingest", *settings_args(s3), "--ray-address", ray.get_runtime_context().gcs_address]
     killed = run_cli(*args, env={"ARGUS_FAULT": fault})
     assert killed.returncode == 137, killed.stderr[-2000:]
-    committed_by_the_killed_run = manifests(s3)
-    assert len(committed_by_the_killed_run) == (1 if fault == "before_commit" else 0)
+    committed_by_the_killed_run = len(table_coordinates(s3))
+    assert committed_by_the_killed_run == (30 if fault == "after_commit" else 0)
 
     ingest(s3, IngestConfig(), kafka)  # the rerun, on the same Ray
     again = ingest(s3, IngestConfig(), kafka)
     assert str(again).startswith("nothing new"), again
-    coordinates = snapshot_coordinates(s3)
+    coordinates = table_coordinates(s3)
     assert len(coordinates) == 30 and len(set(coordinates)) == 30
-    snapshots = {k.split("/")[2] for k in keys(s3_bucket, "argus/snapshots/")}
-    assert snapshots == {m.snapshot_id for m in manifests(s3)}  # the uncommitted folder is gone
 
 
-def test_a_manifest_on_s3_that_this_argus_cannot_read_stops_ingest_and_is_kept(s3, s3_bucket, ray_cluster):
+def test_a_table_of_a_newer_argus_on_s3_stops_ingest_and_is_kept(s3, s3_bucket, ray_cluster):
     kafka = s3.kafka_connection()
     produce(s3, ProduceConfig(synthetic=12, seed=2, source_image_size=32, corrupt_fraction=0.0), kafka)
-    first = ingest(s3, IngestConfig(), kafka)
+    ingest(s3, IngestConfig(), kafka)
     produce(s3, ProduceConfig(synthetic=6, seed=3, source_image_size=32, corrupt_fraction=0.0), kafka)
-    key = f"argus/snapshots/{first.snapshot_id}/{MANIFEST}"
-    good = s3_client().get_object(Bucket=s3_bucket, Key=key)["Body"].read()
-    newer = {**json.loads(good), "format": "argus.snapshot.v2"}  # as a newer Argus would write it
-    s3_client().put_object(Bucket=s3_bucket, Key=key, Body=json.dumps(newer).encode())
-    before = keys(s3_bucket, "argus/snapshots/")
-    with pytest.raises(UnreadableManifest, match=f"snapshot {first.snapshot_id}: its manifest is not one"):
+    table = table_of(s3).load()
+    with table.transaction() as txn:  # as a newer Argus would mark it during a rolling upgrade
+        txn.set_properties({"argus.format": "3"})
+    before = keys(s3_bucket, "argus/")
+    with pytest.raises(ConfigError, match="newer than this Argus"):
         ingest(s3, IngestConfig(), kafka)
-    assert keys(s3_bucket, "argus/snapshots/") == before  # nothing deleted, moved or written
-    # Restored (the Argus that wrote it is back): the next ingest takes exactly the 6 new records.
-    s3_client().put_object(Bucket=s3_bucket, Key=key, Body=good)
+    assert keys(s3_bucket, "argus/") == before  # nothing deleted, moved or written
+    # Back to this Argus's format (the upgrade rolled back): the next ingest takes exactly the 6 new.
+    with table_of_any_format(s3).transaction() as txn:
+        txn.set_properties({"argus.format": "2"})
     assert ingest(s3, IngestConfig(), kafka).records == 6
-    assert sorted(snapshot_coordinates(s3)) == sorted(set(snapshot_coordinates(s3)))
-    assert len(snapshot_coordinates(s3)) == 18
+    assert sorted(table_coordinates(s3)) == sorted(set(table_coordinates(s3)))
+    assert len(table_coordinates(s3)) == 18
 
 
-def test_the_lease_is_exclusive_on_s3_and_taken_over_only_after_it_expires(s3_bucket):
-    from app.data.lease import Lease, LeaseHeld, LeaseLost
+def table_of_any_format(settings):
+    """The table through PyIceberg alone, whatever Argus format it says it is in."""
+    from app.data.catalog import open_catalog, warehouse_uri
 
-    root = Store.at(f"s3://{s3_bucket}/argus/leases/ingest-t")
-    first = Lease(root, ttl_s=30)
-    first.acquire()  # no heartbeat: a writer on another host that stalled
-    with pytest.raises(LeaseHeld):
-        Lease(root).acquire()
-    stale = json.loads(
-        s3_client().get_object(Bucket=s3_bucket, Key=f"argus/leases/ingest-t/{1:012d}.json")["Body"].read()
-    )
-    stale["host"] = "another-host"  # its pid means nothing here: only the expiry counts
-    s3_client().put_object(
-        Bucket=s3_bucket, Key=f"argus/leases/ingest-t/{1:012d}.json", Body=json.dumps(stale)
-    )
-    import time
-
-    def past_its_ttl() -> float:  # the next writer's clock: 31 s on, without waiting for them
-        return time.time() + 31
-
-    with Lease(root, clock=past_its_ttl).held() as second:
-        assert second.generation == 2
-        with pytest.raises(LeaseLost, match="taken over"):
-            first.check()
-    assert keys(s3_bucket, "argus/leases/") == [f"argus/leases/ingest-t/{2:012d}.json"]
+    return open_catalog(settings.catalog, warehouse_uri(settings.storage)).load_table(settings.table)

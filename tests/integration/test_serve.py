@@ -135,8 +135,11 @@ def test_healthz_model_and_docs(trained, endpoint):
     assert info["name"] == settings.model_name and info["version"] == report.version
     assert info["run_id"] == report.run_id and info["classes"] == report.classes
     assert info["image_size"] == settings.image_size
-    assert info["snapshots"][0]["snapshot_id"] == snapshot.snapshot_id
-    assert set(info["snapshots"][0]["offsets"]) == {str(p) for p in snapshot.offsets}
+    assert info["lineage"]["snapshot_id"] == str(snapshot.snapshot_id)  # the table snapshot it trained on
+    assert info["lineage"]["table"] == settings.table and "snapshots" not in info
+    assert info["lineage"]["offsets"] == {
+        str(p): {"start": 0, "end": end} for p, (_, end) in snapshot.offsets.items()
+    }
     # Swagger UI only when asked for (`serve --docs`); the document itself is always there, and
     # without tokens it promises no 401 or 429.
     assert requests.get(f"{endpoint}/docs", timeout=10).json() == {"error": "Not Found"}

@@ -11,8 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from app.data.snapshot import SnapshotStore
+from app.data.selection import chw_images, select
+from app.data.table import ImageTable
 from app.transform import normalize_pixels
+
+
+def _read(settings, snapshot_id: int):
+    """A table snapshot as `train` reads it."""
+    table = ImageTable.at(settings.storage, settings.catalog, settings.table)
+    return select(table, settings.image_size, snapshot_id)
 
 
 def test_training_learns_and_registers_lineage(trained):
@@ -25,17 +32,20 @@ def test_training_learns_and_registers_lineage(trained):
     client = mlflow.MlflowClient()
     version = client.get_model_version(settings.model_name, report.version)
     assert version.tags["training_kind"] == "ddp"
-    assert version.tags["snapshot_ids"] == snapshot.snapshot_id
-    manifest = SnapshotStore.at(settings.uri()).read_manifest(snapshot.snapshot_id)
-    offsets = json.loads(version.tags["kafka_offsets"])[snapshot.snapshot_id]
-    assert offsets == {str(p): {"start": o.start, "end": o.end} for p, o in manifest.offsets.items()}
-    assert json.loads(version.tags["classes"]) == report.classes == manifest.classes
+    # Lineage: the version names the table snapshot the ingest committed, and its Kafka offsets.
+    assert version.tags["argus.table_snapshot_id"] == str(snapshot.snapshot_id)
+    assert version.tags["argus.table"] == settings.table
+    read = _read(settings, snapshot.snapshot_id)
+    offsets = {str(p): {"start": start, "end": end} for p, (start, end) in snapshot.offsets.items()}
+    assert json.loads(version.tags["kafka_offsets"]) == offsets == read.lineage()["offsets"]
+    assert json.loads(version.tags["classes"]) == report.classes == read.classes(None)
     assert str(client.get_model_version_by_alias(settings.model_name, "champion").version) == report.version
     artifacts = {a.path for a in client.list_artifacts(report.run_id)}
     assert {"curves.png", "history.json", "model"} <= artifacts
-    (dataset,) = client.get_run(report.run_id).inputs.dataset_inputs  # the snapshot, as MLflow sees it
-    assert dataset.dataset.name == snapshot.snapshot_id
-    assert json.loads(dataset.dataset.source)["uri"].endswith(f"snapshots/{snapshot.snapshot_id}")
+    (dataset,) = client.get_run(report.run_id).inputs.dataset_inputs  # the table snapshot, as MLflow sees it
+    assert dataset.dataset.name == str(snapshot.snapshot_id)
+    assert json.loads(dataset.dataset.source)["uri"].endswith("warehouse/argus/behavior_images")
+    assert client.get_run(report.run_id).data.params["table_snapshot_id"] == str(snapshot.snapshot_id)
     assert [tag.value for tag in dataset.tags] == ["training"]
     run_metrics = client.get_run(report.run_id).data.metrics
     recall_metrics = [k for k in run_metrics if k.startswith("val_recall.")]
@@ -46,8 +56,10 @@ def test_training_learns_and_registers_lineage(trained):
     card = registry.load(settings.tracking_uri, settings.model_name, report.version).card
     assert card.metrics["test_accuracy"] == run_metrics["test_accuracy"] == report.metrics["test_accuracy"]
     assert card.metrics["val_accuracy"] == report.metrics["val_accuracy"]
+    assert card.lineage == read.lineage() and card.table_snapshot_id == snapshot.snapshot_id
     split = card.split
-    assert split["train"] + split["val"] + split["test"] == manifest.records
+    assert split["train"] + split["val"] + split["test"] == snapshot.records
+    assert snapshot.records == sum(read.label_counts.values())
     assert split["val_from"] <= split["test_from"] and split["val"] > 0 and split["test"] > 0
     history = json.loads(open(_artifact(settings, report.run_id, "history.json")).read())
     lrs = [row["lr"] for row in history]
@@ -146,8 +158,6 @@ def test_balance_sampler_reaches_the_workers_and_evens_out_the_classes(trained, 
 def test_sampler_batches_show_skewed_classes_evenly(ray_cluster):
     """The sampler itself, over many batches of a Ray dataset skewed 1:10 between classes, with the
     class weights `train` computes from such counts: every class is shown about equally often."""
-    from types import SimpleNamespace
-
     import ray.data
 
     from app.train.data import class_weights
@@ -157,7 +167,7 @@ def test_sampler_batches_show_skewed_classes_evenly(ray_cluster):
     counts = [50, 100, 200, 300, 400, 500]
     labels = np.random.default_rng(0).permutation(np.repeat(np.arange(len(classes)), counts))
     shard = ray.data.from_items([{"features": np.zeros(4, np.float32), "label_index": k} for k in labels])
-    weights = class_weights([SimpleNamespace(label_counts=dict(zip(classes, counts)))], list(classes))
+    weights = class_weights(dict(zip(classes, counts)), list(classes))
     cfg = WorkerConfig(
         run_name="sampler",
         model="cnn",
@@ -177,7 +187,7 @@ def test_sampler_batches_show_skewed_classes_evenly(ray_cluster):
         balance="sampler",
         augment="none",
         class_weights=tuple(weights),
-        snapshot_ids=(),
+        snapshot_id=0,
         threads=1,
         fail_at_epoch=None,
         fault_marker="",
@@ -277,8 +287,6 @@ def _artifact(settings, run_id: str, name: str) -> str:
 def test_feature_snapshot_trains_a_head_that_serves_images(settings, ray_cluster):
     """--features resnet50: the head trains on stored features; served on images, the frozen
     backbone reproduces those features, so serving sees what training saw."""
-    import ray.data
-
     from app import registry
     from app.config import IngestConfig, ProduceConfig, TrainConfig
     from app.data.ingest import ingest
@@ -294,36 +302,47 @@ def test_feature_snapshot_trains_a_head_that_serves_images(settings, ray_cluster
     report = train(settings, TrainConfig(epochs=1, num_workers=2, batch_size=16, max_failures=0))
     loaded = registry.load(settings.tracking_uri, settings.model_name, report.version)
     assert loaded.card.features and loaded.card.arch == "resnet50"
-    rows = ray.data.read_parquet(
-        SnapshotStore.at(settings.uri()).uri(snapshot.snapshot_id), file_extensions=["parquet"]
-    ).take(3)
+    table = ImageTable.at(settings.storage, settings.catalog, settings.table)
+    rows = table.scan(snapshot.snapshot_id, ["features", "pixels", "height", "width"]).slice(0, 3)
+    size = rows.column("height")[0].as_py()
     with torch.inference_mode():
-        from_features = loaded.model(torch.stack([torch.as_tensor(r["features"]) for r in rows]))
-        pixels = torch.stack([torch.as_tensor(np.array(r["image"])) for r in rows])
+        from_features = loaded.model(torch.tensor(rows.column("features").to_pylist()))
+        pixels = torch.from_numpy(chw_images(rows.column("pixels").to_pylist(), size, size))
         from_images = loaded.model(normalize_pixels(pixels))
     assert torch.allclose(from_features, from_images, atol=1e-4)
 
 
 @pytest.mark.slow
-def test_a_snapshot_keeping_sources_trains_at_another_size(settings, ray_cluster):
-    """--keep-source: the encoded images ride along in the snapshot, so a model at a new image
-    size trains from it without Kafka (`SnapshotStore.select` refuses another size without them)."""
+def test_a_pinned_snapshot_keeping_sources_trains_at_another_size(settings, ray_cluster):
+    """--keep-source: the encoded images ride along in the table, so a model at a new image size
+    trains from them without Kafka (`select` refuses another size without them). `--snapshots ID`
+    pins an older table snapshot: a commit since adds nothing to what the run reads or records."""
     from app import registry
     from app.config import IngestConfig, ProduceConfig, TrainConfig
     from app.data.ingest import ingest
     from app.data.produce import produce
     from app.train import train
 
-    produce(
-        settings,
-        ProduceConfig(synthetic=96, seed=6, source_image_size=32, corrupt_fraction=0),
-        settings.kafka_connection(),
-    )
-    snapshot = ingest(settings, IngestConfig(keep_source=True), settings.kafka_connection())
-    manifest = SnapshotStore.at(settings.uri()).read_manifest(snapshot.snapshot_id)
-    assert manifest.source and manifest.image_size == settings.image_size
+    def publish(records: int, seed: int) -> None:
+        config = ProduceConfig(synthetic=records, seed=seed, source_image_size=32, corrupt_fraction=0)
+        produce(settings, config, settings.kafka_connection())
+
+    publish(96, seed=6)
+    pinned = ingest(settings, IngestConfig(keep_source=True), settings.kafka_connection())
+    read = _read(settings, pinned.snapshot_id)
+    assert read.source and read.image_size == settings.image_size
+    publish(32, seed=7)
+    later = ingest(settings, IngestConfig(keep_source=True), settings.kafka_connection())
+    assert later.snapshot_id != pinned.snapshot_id and later.records == 32
+
     smaller = dataclasses.replace(settings, image_size=16)
-    report = train(smaller, TrainConfig(epochs=1, num_workers=1, batch_size=16, max_failures=0))
+    pin = {"snapshots": pinned.snapshot_id, "run_name": "pinned"}
+    cfg = TrainConfig(epochs=1, num_workers=1, batch_size=16, max_failures=0, **pin)
+    report = train(smaller, cfg)
     loaded = registry.load(settings.tracking_uri, settings.model_name, report.version)
     assert loaded.card.image_size == 16
     assert loaded.model(torch.zeros(2, 3, 16, 16)).shape == (2, len(report.classes))
+    assert loaded.card.table_snapshot_id == pinned.snapshot_id
+    assert loaded.card.lineage["offsets"] == read.lineage()["offsets"]
+    assert sum(loaded.card.split[k] for k in ("train", "val", "test")) == pinned.records == 96
+    assert _last_checkpoint(smaller, "pinned")["table_snapshot_id"] == pinned.snapshot_id

@@ -58,7 +58,7 @@ def test_what_an_epoch_saves_loads_safely_and_resumes_a_worker(tmp_path):
         scaler=None,
         epoch=4,
         history=history,
-        snapshot_ids=("s1",),
+        snapshot_id=4242,
         classes=("a", "b", "c"),
     )
     folder = tmp_path / "checkpoint"
@@ -78,6 +78,8 @@ def test_what_an_epoch_saves_loads_safely_and_resumes_a_worker(tmp_path):
         rank=1,
     )
     assert (start, resumed_history) == (5, history)
+    lineage = load_checkpoint(Checkpoint.from_directory(str(folder)))
+    assert (lineage["table_snapshot_id"], lineage["classes"]) == (4242, ["a", "b", "c"])
     assert core.parameter_checksum(fresh) == core.parameter_checksum(net)
     assert fresh_schedule.last_epoch == 3 and fresh_schedule.get_last_lr() == schedule.get_last_lr()
     assert fresh_optimizer.state_dict()["state"][0]["step"] == 3

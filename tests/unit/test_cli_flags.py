@@ -33,7 +33,7 @@ SPECIAL = {
     "classes": ("cat,dog", ("cat", "dog")),
     "num_workers": ("2-4", (2, 4)),
     "replicas": ("2-4", "2-4"),
-    "snapshots": ("snap-a,snap-b", ("snap-a", "snap-b")),
+    "snapshots": ("8566377926098306483", 8566377926098306483),
     "strategy": ("fedmedian", "fedmedian"),
     "superlink": ("127.0.0.2:7", "127.0.0.2:7"),
     "update_dtype": ("fp32", "fp32"),

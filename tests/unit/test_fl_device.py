@@ -108,7 +108,7 @@ def test_the_job_the_serverapp_reads_is_the_run_federate_was_asked_for(tmp_path)
         rounds=3,
         clients=4,
         clients_per_round=2,
-        snapshots=("snap-1",),
+        snapshots=4242,
         run_name="r1",
     )
     uri = write_job(settings, cfg)

@@ -213,10 +213,10 @@ def test_malformed_evaluations_are_left_out_and_counted():
 def test_the_server_counts_each_clients_rows_as_the_client_loads_them(tmp_path):
     from test_fl_split import CLASSES, _snapshot
 
-    uri, event_times = _snapshot(tmp_path)
+    files, event_times = _snapshot(tmp_path)
     split = EventTimeSplit.of(event_times, 0.2)
-    sizes = partition_sizes((uri,), 5, 3, tuple(CLASSES), split.val_from, split.test_from)
+    sizes = partition_sizes(files, 5, 3, tuple(CLASSES), split.val_from, split.test_from)
     for partition in range(5):
-        data = load_client_data((uri,), partition, 5, 3, tuple(CLASSES), split.val_from, split.test_from)
+        data = load_client_data(files, partition, 5, 3, tuple(CLASSES), split.val_from, split.test_from)
         assert sizes[partition] == (len(data.train_y), len(data.val_y))
     assert all(train > 0 for train, _ in sizes)

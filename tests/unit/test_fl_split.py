@@ -14,6 +14,7 @@ from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY
 
 from app import model as core
 from app.config import Settings
+from app.data.table import ImageTable
 from app.errors import ConfigError
 from app.fl import FederateConfig, central_test
 from app.fl import client_app as client_module
@@ -30,8 +31,9 @@ CLASSES = ["a", "b", "c"]
 RECORDS, USERS, SIZE = 120, 12, 16
 
 
-def _snapshot(tmp_path) -> tuple[str, np.ndarray]:
-    """A committed snapshot whose record i has every pixel equal to i, so any image names its record."""
+def _snapshot(tmp_path) -> tuple[tuple[str, ...], np.ndarray]:
+    """The data files of a committed table snapshot whose record i has every pixel equal to i, so
+    any image names its record; the records' event times."""
     settings = Settings(storage=str(tmp_path / "data"), topic="t", image_size=SIZE, model="cnn")
     event_times = 1_000_000 + 1_000 * np.arange(RECORDS, dtype=np.int64)
     images = np.broadcast_to(
@@ -39,7 +41,9 @@ def _snapshot(tmp_path) -> tuple[str, np.ndarray]:
     ).copy()
     keys = [f"user-{i % USERS}" for i in range(RECORDS)]
     labels = [CLASSES[i % 3] for i in range(RECORDS)]
-    return commit_snapshot(settings, keys, labels, event_times, images), event_times
+    snapshot_id = commit_snapshot(settings, keys, labels, event_times, images)
+    table = ImageTable.at(settings.storage, settings.catalog, settings.table)
+    return tuple(table.data_file_uris(snapshot_id)), event_times
 
 
 def _ids(images: torch.Tensor) -> set[int]:
@@ -73,10 +77,10 @@ class InProcessGrid:
 
 
 def test_the_server_judges_every_round_on_exactly_the_test_slice_that_no_client_reads(tmp_path):
-    uri, event_times = _snapshot(tmp_path)
+    files, event_times = _snapshot(tmp_path)
     torch.manual_seed(0)
     model = core.build_model("cnn", len(CLASSES))
-    split, central = central_test([uri], CLASSES, 0.2, model, torch.device("cpu"))
+    split, central = central_test(list(files), CLASSES, 0.2, model, torch.device("cpu"))
 
     assert split == EventTimeSplit.of(event_times, 0.2)  # the split centralised training cuts
     slices = split.slice_of(event_times)
@@ -88,9 +92,7 @@ def test_the_server_judges_every_round_on_exactly_the_test_slice_that_no_client_
     clients = 3
     seen = set()
     for partition in range(clients):
-        data = load_client_data(
-            (uri,), partition, clients, 0, tuple(CLASSES), split.val_from, split.test_from
-        )
+        data = load_client_data(files, partition, clients, 0, tuple(CLASSES), split.val_from, split.test_from)
         assert data.train_x.dtype == torch.uint8
         train, val = _ids(data.train_x), _ids(data.val_x)
         assert all(slices[i] == VALIDATION for i in val) and all(
@@ -108,7 +110,7 @@ def test_the_server_judges_every_round_on_exactly_the_test_slice_that_no_client_
         model=model,
         arrays=model_arrays(model),
         classes=CLASSES,
-        snapshot_uris=[uri],
+        data_files=list(files),
         checkpoint_uri=str(tmp_path / "checkpoints"),
         fingerprint={"arch": "cnn", "image_size": SIZE},
         val_from=split.val_from,
@@ -138,9 +140,9 @@ def test_the_server_judges_every_round_on_exactly_the_test_slice_that_no_client_
 
 
 def test_a_split_that_leaves_a_slice_empty_is_a_config_error(tmp_path):
-    uri, _ = _snapshot(tmp_path)
+    files, _ = _snapshot(tmp_path)
     with pytest.raises(ConfigError, match="event-time split"):
-        central_test([uri], CLASSES, 0.001, core.build_model("cnn", 3), torch.device("cpu"))
+        central_test(list(files), CLASSES, 0.001, core.build_model("cnn", 3), torch.device("cpu"))
 
 
 def test_augment_is_a_mode_and_promotion_is_opt_in():

@@ -4,16 +4,35 @@ the row's event time always fits int64 and a `datetime`. No broker."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 
 import pyarrow as pa
 import pytest
 
+from app.data.catalog import table_schema
 from app.data.kafka import RAW_SCHEMA
-from app.data.manifest import event_date
 from app.data.records import FIELD_LIMITS, MAX_EVENT_TIME_MS, header_fields, record_headers
+from app.data.table import conform
 
 NOW = 1_700_000_000_000
+
+
+def event_date(event_time_ms: int) -> date:
+    """The table's `event_date` partition of a row at `event_time_ms`, as a commit derives it."""
+    row = pa.table(
+        {
+            "kafka_partition": pa.array([0], pa.int32()),
+            "kafka_offset": [0],
+            "user_id": ["u"],
+            "label": ["l"],
+            "event_time_ms": [event_time_ms],
+            "device_id": ["d"],
+            "pixels": [b""],
+            "height": pa.array([0], pa.int32()),
+            "width": pa.array([0], pa.int32()),
+        }
+    )
+    return conform(row, table_schema().as_arrow()).column("event_date")[0].as_py()
 
 
 def test_a_valid_record_parses():
@@ -33,7 +52,7 @@ def test_a_valid_record_parses():
 def test_event_times_from_1970_to_the_end_of_9999_are_valid(value):
     fields = header_fields([("event_time", str(value).encode())], NOW)
     assert fields["header_error"] is None and fields["event_time"] == value
-    event_date(fields["event_time"])  # the write task's partition exists for every valid time
+    event_date(fields["event_time"])  # the table's partition exists for every valid time
 
 
 def test_the_limit_is_the_last_millisecond_of_9999():
@@ -41,7 +60,7 @@ def test_the_limit_is_the_last_millisecond_of_9999():
     assert epoch + timedelta(milliseconds=MAX_EVENT_TIME_MS) == datetime(
         9999, 12, 31, 23, 59, 59, 999000, UTC
     )
-    assert event_date(MAX_EVENT_TIME_MS) == "9999-12-31"
+    assert event_date(MAX_EVENT_TIME_MS) == date(9999, 12, 31)
     with pytest.raises((ValueError, OverflowError)):  # year 10000: what crashed the write task
         event_date(MAX_EVENT_TIME_MS + 1)
 

@@ -4,7 +4,6 @@ on a SQLite catalog, then read back through PyIceberg alone (no Argus code)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
@@ -14,13 +13,12 @@ import pytest
 
 from app import storage
 from app.__main__ import main
-from app.data.manifest import DataFile, WriteSpec, WriteStats, build_manifest
+from app.data.legacy import MANIFEST, DataFile, LegacySnapshots, Manifest, PartitionRange
 from app.data.migrate import migrate
-from app.data.snapshot import MANIFEST, SnapshotStore
 from app.errors import ConfigError
 
 SIZE = 4
-SPEC = WriteSpec(topic="t", dlq_topic="t.dlq", image_size=SIZE, classes=None, allowed_lateness_s=60.0)
+TOPIC = "t"
 TABLE = "argus.behavior_images"
 
 
@@ -32,7 +30,7 @@ def image(partition: int, offset: int) -> np.ndarray:
 
 
 def write_snapshot(
-    snapshots: SnapshotStore,
+    snapshots: LegacySnapshots,
     snapshot_id: str,
     ranges: dict[int, tuple[int, int]],
     *,
@@ -44,15 +42,8 @@ def write_snapshot(
     retention deleted), the coordinates in `dead` sent to the dead letters."""
     from ray.data.extensions import ArrowTensorArray
 
-    stats = WriteStats()
-    rows = []
-    for p, (start, end) in ranges.items():
-        for offset in range(start, end):
-            stats.partition(p).add(offset, dead_letter=(p, offset) in dead)
-            if (p, offset) not in dead:
-                rows.append((p, offset))
-    stats.labels.update(["normal"])
-    stats.add_event_times(1_796_000_000_000, 1_796_000_000_000 + len(rows))
+    lost = lost or {}
+    rows = [(p, o) for p, (start, end) in ranges.items() for o in range(start, end) if (p, o) not in dead]
     table = pa.table(
         {
             "partition": pa.array([p for p, _ in rows], pa.int64()),
@@ -68,16 +59,41 @@ def write_snapshot(
             ),
         }
     )
-    if rows:  # as the sink: no file where every offset was a dead letter
+    files = []
+    if rows:  # as the old sink did: no file where every offset was a dead letter
         buffer = pa.BufferOutputStream()
         pq.write_table(table, buffer)
         data = buffer.getvalue().to_pybytes()
         relative = "event_date=2026-12-01/part-0000.parquet"
         snapshots.folder(snapshot_id).write(relative, data)
-        stats.files.append(DataFile(relative, len(data), storage.sha256(data)))
-    manifest = build_manifest(SPEC, snapshot_id, ranges, {}, stats, lost=lost)
-    manifest = dataclasses.replace(manifest, supersedes=list(supersedes))
-    assert snapshots.commit(manifest)
+        files.append(DataFile(relative, len(data), storage.sha256(data)))
+    offsets = {}
+    for p, (start, end) in ranges.items():
+        dlq = sum(1 for q, o in dead if q == p and start <= o < end)
+        gone = lost.get(p, 0)
+        offsets[p] = PartitionRange(start - gone, end, end - start - dlq, dlq, None, 0, gone)
+    manifest = Manifest(
+        snapshot_id=snapshot_id,
+        topic=TOPIC,
+        created_at="2026-12-01T00:00:00+00:00",
+        offsets=offsets,
+        records=len(rows),
+        dlq=len(dead),
+        dlq_topic=f"{TOPIC}.dlq",
+        dlq_errors={"bad_image": len(dead)} if dead else {},
+        classes=["normal", "phishing_page"],
+        label_counts={},
+        image_size=SIZE,
+        normalization={},
+        features=None,
+        features_weights=None,
+        event_time={},
+        value_bytes=0,
+        files=files,
+        pixels="uint8",
+        supersedes=list(supersedes),
+    )
+    snapshots.folder(snapshot_id).write(MANIFEST, manifest.to_json().encode())
     return manifest
 
 

@@ -4,11 +4,13 @@ describes a model Argus builds."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from app import registry
+from app.config import Settings
 from app.model import build_model
 from app.registry import META_FILE, WEIGHTS_FILE, ModelCard, TamperedModel
 
@@ -18,7 +20,11 @@ CARD = ModelCard(
     image_size=32,
     features=False,
     training_kind="ddp",
-    snapshots=[],
+    lineage={
+        "table": "argus.behavior_images",
+        "snapshot_id": "4242",
+        "offsets": {"0": {"start": 0, "end": 90}, "1": {"start": 0, "end": 70}},
+    },
     metrics={"val_accuracy": 0.5},
 )
 
@@ -33,14 +39,63 @@ def registered(tmp_path):
     return tracking_uri, version, artifacts.parent
 
 
-def test_a_registered_version_loads_and_records_its_digests(registered):
+def test_a_registered_version_loads_and_records_its_digests_and_table_snapshot(registered):
     tracking_uri, version, _ = registered
     loaded = registry.load(tracking_uri, "argus-trust", version)
-    assert loaded.card == CARD
+    assert loaded.card == CARD and loaded.card.table_snapshot_id == 4242
     import mlflow
 
     tags = mlflow.MlflowClient(tracking_uri).get_model_version("argus-trust", version).tags
     assert len(tags["weights_sha256"]) == len(tags["card_sha256"]) == 64
+    assert tags["argus.table_snapshot_id"] == "4242" and tags["argus.table"] == "argus.behavior_images"
+    assert json.loads(tags["kafka_offsets"]) == CARD.lineage["offsets"]
+
+
+def test_pinned_snapshot_ids_are_those_the_versions_of_the_model_name_for_the_table(registered, tmp_path):
+    """What expiry keeps: every version's table snapshot, for this table and this model name only;
+    a card without a table snapshot pins nothing."""
+    tracking_uri, _, _ = registered
+    model = build_model("cnn", 3)
+    cards = {
+        ("argus-trust", "argus.behavior_images", "77"),
+        ("argus-trust", "lake.other_images", "88"),  # another table's snapshot
+        ("argus-other", "argus.behavior_images", "99"),  # another model's
+        ("argus-trust", None, None),  # a version that names no table snapshot
+    }
+    for name, table, snapshot_id in sorted(cards, key=str):
+        lineage = {"table": table, "snapshot_id": snapshot_id, "offsets": {}} if table else {}
+        card = dataclasses.replace(CARD, lineage=lineage)
+        with registry.start_run(tracking_uri, (tmp_path / "artifacts").as_uri(), name) as run:
+            registry.register(tracking_uri, name, run.info.run_id, model, card)
+    settings = Settings(storage=str(tmp_path / "data"), mlflow_uri=tracking_uri, model_name="argus-trust")
+    assert registry.pinned_snapshot_ids(settings) == {4242, 77}
+    other = dataclasses.replace(settings, table="lake.other_images")
+    assert registry.pinned_snapshot_ids(other) == {88}
+
+
+def test_pinned_snapshot_ids_without_a_registry_are_none_and_create_none(tmp_path):
+    settings = Settings(storage=str(tmp_path / "data"))
+    assert registry.pinned_snapshot_ids(settings) == set()
+    assert not (tmp_path / "data").exists()
+
+
+def test_pinned_snapshot_ids_raise_when_the_registry_does_not_answer(tmp_path, monkeypatch):
+    """The caller must not expire anything on a registry it could not read."""
+    from app.net import free_port
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    settings = Settings(storage=str(tmp_path / "data"), mlflow_uri=f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(Exception, match="127.0.0.1"):
+        registry.pinned_snapshot_ids(settings)
+
+
+def test_a_card_from_before_the_table_still_loads_with_its_snapshot_folders():
+    """Cards registered on snapshot folders list them in `snapshots`; they name no table snapshot."""
+    fields = {k: v for k, v in json.loads(CARD.to_json()).items() if k != "lineage"}
+    folders = [{"snapshot_id": "20261201-0001", "offsets": {"0": {"start": 0, "end": 9}}}]
+    card = ModelCard.from_json(json.dumps({**fields, "snapshots": folders}))
+    assert card.snapshots == folders and card.lineage == {} and card.table_snapshot_id is None
+    assert "snapshots" not in json.loads(CARD.to_json())  # cards since carry the table's lineage only
 
 
 def test_weights_changed_in_the_artifact_store_are_refused(registered):
@@ -72,6 +127,7 @@ def test_a_card_changed_in_the_artifact_store_is_refused(registered):
         ({"image_size": "32"}, "image_size"),
         ({"features": "yes"}, "features"),
         ({"extra": 1}, "unknown fields"),
+        ({"lineage": ["s1"]}, "lineage"),
     ],
 )
 def test_cards_that_describe_no_buildable_model_are_refused(change, why):

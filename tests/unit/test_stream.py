@@ -1,24 +1,32 @@
-"""The watch's alert rule, its batch on revocation, compaction's planning and its cleanup of
-abandoned folders, without a broker or Ray."""
+"""The watch without a broker or Ray: its alert rule, its batch on revocation, a part's commit
+against a real table another writer moved, and the table's upkeep (compaction, expiry that spares
+what registered versions pin, orphan removal, backoff and a stuck upkeep reported), on a real
+PyIceberg SQL catalog on SQLite and a real MLflow registry under tmp_path."""
 
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+import logging
+import os
+import threading
+import time
+from pathlib import Path
 
-from app.data.compact import (
-    PART_SUFFIX,
-    folder_owner,
-    merged_offsets,
-    new_part_id,
-    plan_groups,
-    remove_abandoned,
-)
+import pytest
+
+from app import registry
+from app.config import IngestConfig, Settings
 from app.data.lag import AlertState
-from app.data.lease import SharedLease
-from app.data.manifest import Manifest, PartitionRange, live_manifests, new_snapshot_id
-from app.data.parts import Batch
-from app.data.snapshot import SnapshotStore
+from app.data.partitions import Restart
+from app.data.parts import WRITER_KEY, Batch, Part, PartPipeline
+from app.data.proof import WriteStats
+from app.data.selection import select
+from app.data.sink import SinkTarget
+from app.data.table import ImageTable
+from app.data.watch import STUCK_AFTER, Upkeep, WatchConfig
+from app.storage import Store
+
+from tables import TOPIC, batch, coordinates, pyiceberg_alone
 
 
 def test_alert_fires_once_after_for_s_and_clears_when_lag_recovers():
@@ -30,63 +38,6 @@ def test_alert_fires_once_after_for_s_and_clears_when_lag_recovers():
     assert alert.update(1, now=6) == "cleared" and not alert.active
     assert alert.update(6, now=7) is None and alert.update(4, now=8.5) is None  # a blip under for_s
     assert alert.fired == 1
-
-
-def _part(
-    name: str, created_s: float, offsets: dict[int, tuple[int, int]], part: bool = True, **kw
-) -> Manifest:
-    return Manifest(
-        snapshot_id=name + (PART_SUFFIX if part else ""),
-        topic="t",
-        created_at=datetime.fromtimestamp(created_s, UTC).isoformat(),
-        offsets={p: PartitionRange(s, e, e - s, 0, 100) for p, (s, e) in offsets.items()},
-        records=sum(e - s for s, e in offsets.values()),
-        dlq=0,
-        dlq_topic="t.dlq",
-        dlq_errors={},
-        classes=["a"],
-        label_counts={"a": sum(e - s for s, e in offsets.values())},
-        image_size=32,
-        normalization={},
-        features=None,
-        features_weights=None,
-        event_time={"min": 1, "max": 2, "late_records": 0, "allowed_lateness_s": 1.0},
-        value_bytes=0,
-        files=[],
-        pixels="uint8",
-        **kw,
-    )
-
-
-def test_closed_windows_of_consecutive_parts_are_planned_open_ones_wait():
-    hour = 3600
-    parts = [
-        _part("a", 10, {0: (0, 5), 1: (0, 3)}),
-        _part("b", 20, {0: (5, 9)}),
-        _part("c", hour + 5, {0: (9, 12), 1: (3, 4)}),  # the next window, still open at `now`
-        _part("d", hour + 6, {1: (4, 8)}),
-    ]
-    groups = plan_groups(parts, "t", hour, None, now=hour + 100)
-    assert [[m.snapshot_id for m in g] for g in groups] == [["a-part", "b-part"]]
-    merged = merged_offsets(groups[0])
-    assert {p: (r.start, r.end, r.records) for p, r in merged.items()} == {0: (0, 9, 9), 1: (0, 3, 3)}
-    assert len(plan_groups(parts, "t", hour, None, now=2 * hour + 100)) == 2
-
-
-def test_a_bulk_snapshot_between_parts_splits_the_run_and_compacted_parts_are_not_live():
-    parts = [
-        _part("a", 10, {0: (0, 5)}),
-        _part("b", 11, {0: (5, 9)}),
-        _part("bulk", 12, {0: (9, 20)}, part=False),
-        _part("c", 13, {0: (20, 25)}),
-        _part("d", 14, {0: (25, 30)}),
-    ]
-    groups = plan_groups(parts, "t", 3600, None, now=10_000)
-    assert [[m.snapshot_id for m in g] for g in groups] == [["a-part", "b-part"], ["c-part", "d-part"]]
-    compacted = _part("z", 20, {0: (0, 9)}, part=False, supersedes=["a-part", "b-part"])
-    live = live_manifests([*parts, compacted])
-    assert {m.snapshot_id for m in live} == {"bulk", "c-part", "d-part", "z"}
-    assert plan_groups([*parts, compacted], "t", None, 9, now=10_000) == [parts[3:]]
 
 
 def test_a_revocation_drops_the_revoked_partitions_rows_and_keeps_the_rest_as_they_were():
@@ -101,80 +52,158 @@ def test_a_revocation_drops_the_revoked_partitions_rows_and_keeps_the_rest_as_th
     assert batch.without({0, 1, 2}).first_at is None  # nothing left: no cut is due
 
 
-def test_a_writers_folders_carry_its_owner():
-    assert folder_owner(new_part_id("abc123")) == "abc123"
-    assert folder_owner(new_snapshot_id() + "-wabc123") == "abc123"  # a compaction's
-    assert folder_owner(new_snapshot_id()) is None  # a bulk ingest's
-    assert folder_owner(new_snapshot_id() + PART_SUFFIX) is None  # a part from before owners
+def _settings(root: Path) -> Settings:
+    return Settings(topic=TOPIC, storage=str(root), image_size=8, model="cnn")
 
 
-def test_only_the_uncommitted_folders_of_writers_that_are_gone_are_removed(tmp_path):
-    snapshots = SnapshotStore.at(str(tmp_path / "data"))
-    topic_lease = snapshots.store.child("leases", "ingest-t")
-    this, other = SharedLease(topic_lease), SharedLease(topic_lease)
-    this.acquire()
-    other.acquire()  # another watch of the topic, alive
-    folders = tmp_path / "data" / "snapshots"
-
-    def folder(name: str, committed: bool = False) -> str:
-        (folders / name / "event_date=2026-01-01").mkdir(parents=True)
-        (folders / name / "event_date=2026-01-01" / "part-0.parquet").write_bytes(b"rows")
-        if committed:
-            (folders / name / "_manifest.json").write_text(json.dumps({"format": "argus.snapshot.v1"}))
-        return name
-
-    mine = folder(new_part_id(this.owner))  # being written by this watch
-    others = folder(new_part_id(other.owner))  # being written by the live one
-    gone = folder(new_part_id("deadbeef0000"))  # its writer died before committing
-    bulk = folder(new_snapshot_id())  # a bulk ingest's, dead: none runs while watches hold the lease
-    compacted = folder(new_snapshot_id() + "-wdeadbeef0000")  # a compactor's that died
-    committed = folder(new_part_id("deadbeef0000"), committed=True)  # a gone writer's, but committed
-    assert sorted(remove_abandoned(snapshots, this)) == sorted([gone, bulk, compacted])
-    assert sorted(p.name for p in folders.iterdir()) == sorted([mine, others, committed])
-    other.release()
-    assert remove_abandoned(snapshots, this) == [others]  # its writer let go without committing
-    assert sorted(p.name for p in folders.iterdir()) == sorted([mine, committed])
-    this.release()
+def _pipeline(settings: Settings, table: ImageTable) -> PartPipeline:
+    target = SinkTarget(table, Store.at(settings.uri("dlq")), None, TOPIC, settings.dlq_topic, 1_000_000)
+    return PartPipeline(target, settings, IngestConfig(), writer="watch test:1")
 
 
-def test_a_window_that_keeps_failing_is_retried_ever_less_often_and_reported_stuck(
-    snapshots, monkeypatch, caplog
+def _written(table: ImageTable, partition: int, offsets: range) -> WriteStats:
+    """What the pool returns for a part whose rows are `offsets` of `partition`: its data files
+    (written, not committed) and the count of every offset."""
+    stats = WriteStats(files=table.write_files(batch(partition, offsets, writer="watch")))
+    for offset in offsets:
+        stats.partition(partition).add(offset, dead_letter=False)
+    return stats
+
+
+def _part(number: int, ranges: dict, lost: dict | None = None) -> Part:
+    return Part(number, ranges, {}, lost or {}, [], None, 0, {}, 0.0)
+
+
+def test_a_part_whose_partition_another_writer_committed_first_is_dropped_files_and_all(root):
+    table = ImageTable.at(str(root))
+    settings = _settings(root)
+    pipeline = _pipeline(settings, table)
+    # Both read partition 0 from offset 0; the other writer (a bulk ingest, a watch the group gave
+    # the partition to while this one stalled) commits first.
+    stats = _written(table, 0, range(0, 4))
+    table.commit(batch(0, range(0, 4), writer="other"), {0: (0, 4)}, 0, TOPIC)
+    with pytest.raises(Restart, match="moved since this writer planned"):
+        pipeline.commit(_part(1, {0: (0, 4)}), stats)
+    assert not any(os.path.exists(f.file_path.removeprefix("file://")) for f in stats.files)
+    rows = table.scan(table.current_snapshot_id())
+    assert coordinates(rows) == [(0, o) for o in range(4)]
+    assert set(rows.column("user_id").to_pylist()) == {f"other:0:{o}" for o in range(4)}
+
+    # From where the table is, the next part commits, as this writer, with the offsets that
+    # retention deleted unread below it recorded as lost.
+    stats = _written(table, 0, range(6, 9))
+    snapshot_id = pipeline.commit(_part(2, {0: (6, 9)}, lost={0: 2}), stats)
+    assert table.committed() == {0: 9}
+    summary = pyiceberg_alone(root).snapshot_by_id(snapshot_id).summary.additional_properties
+    assert summary[WRITER_KEY] == "watch test:1"
+    assert json.loads(summary["argus.kafka.ranges"]) == {"0": [4, 9]}
+    assert json.loads(summary["argus.kafka.lost"]) == {"0": [4, 6]}
+    assert coordinates(table.scan(snapshot_id)) == [(0, o) for o in [0, 1, 2, 3, 6, 7, 8]]
+
+
+def test_a_part_missing_an_offset_it_read_is_not_committed(root):
+    table = ImageTable.at(str(root))
+    pipeline = _pipeline(_settings(root), table)
+    stats = _written(table, 0, range(0, 3))
+    with pytest.raises(RuntimeError, match=r"expected offsets \[0, 4\) once each"):
+        pipeline.commit(_part(1, {0: (0, 4)}), stats)
+    assert table.current_snapshot_id() is None
+
+
+def _small_commits(table: ImageTable, commits: int, per_commit: int = 2) -> list[int]:
+    """`commits` commits of `per_commit` offsets of partition 0, as a watch's parts: small files."""
+    return [
+        table.commit(
+            batch(0, range(i * per_commit, (i + 1) * per_commit)),
+            {0: (i * per_commit, (i + 1) * per_commit)},
+            0,
+            TOPIC,
+        )
+        for i in range(commits)
+    ]
+
+
+def _register_reader_of(settings: Settings, table: ImageTable, snapshot_id: int) -> None:
+    """A registered model version that learnt from `snapshot_id` (its lineage names it)."""
+    from app.model import build_model
+
+    card = registry.ModelCard(
+        arch="cnn",
+        classes=["tap", "swipe"],
+        image_size=8,
+        features=False,
+        training_kind="ddp",
+        lineage=select(table, 8, snapshot_id).lineage(),
+        metrics={},
+    )
+    artifacts = Path(settings.storage, "mlartifacts").as_uri()
+    with registry.start_run(settings.tracking_uri, artifacts, "pinned") as run:
+        registry.register(
+            settings.tracking_uri, settings.model_name, run.info.run_id, build_model("cnn", 2), card
+        )
+
+
+def test_upkeep_compacts_expires_all_but_what_a_registered_version_pins_and_removes_orphans(root):
+    settings = _settings(root)
+    table = ImageTable.at(str(root))
+    snapshots = _small_commits(table, 5)
+    pinned = snapshots[1]
+    _register_reader_of(settings, table, pinned)
+    assert registry.pinned_snapshot_ids(settings) == {pinned}
+    pinned_files = table.data_file_uris(pinned)
+    orphan = Path(table.load().location().removeprefix("file://"), "data", "left-by-a-dead-writer.parquet")
+    orphan.write_bytes(b"never committed")
+    four_days_ago = time.time() - 4 * 86400
+    os.utime(orphan, (four_days_ago, four_days_ago))
+
+    time.sleep(0.05)
+    cfg = WatchConfig(compact_interval_s=60, expire_after_s=0.01)
+    Upkeep(table, settings, cfg, threading.Event()).tick()
+
+    current = table.current_snapshot_id()
+    assert current not in snapshots  # the compaction's
+    assert len(table.data_file_uris(current)) == 2  # one file per event date
+    assert coordinates(table.scan(current)) == [(0, o) for o in range(10)]
+    kept = {s.snapshot_id for s in pyiceberg_alone(root).snapshots()}
+    assert kept == {pinned, current}  # the rest expired
+    # The pinned reader still reads its own snapshot, from the files it read before.
+    assert coordinates(table.scan(pinned)) == [(0, o) for o in range(4)]
+    assert sorted(table.data_file_uris(pinned)) == sorted(pinned_files)
+    assert all(os.path.exists(uri.removeprefix("file://")) for uri in pinned_files)
+    assert not orphan.exists()
+    assert table.committed() == {0: 10}
+
+
+def test_an_upkeep_without_the_registry_expires_nothing_retries_ever_less_often_and_is_reported_stuck(
+    root, caplog
 ):
-    """Compaction once retried a failing window every 2 s forever, re-reading it each time."""
-    import logging
-    import threading
-    import time
-    from types import SimpleNamespace
-
-    from app.data import compact
-
-    monkeypatch.setattr(compact, "CHECK_S", 0.02)
-    monkeypatch.setattr(compact, "STUCK_AFTER", 3)
-    window = [_part("snap-a", 0, {0: (0, 5)}), _part("snap-b", 10, {0: (5, 9)})]
+    settings = _settings(root)
+    table = ImageTable.at(str(root))
+    snapshots = _small_commits(table, 3)
     tries: list[float] = []
 
-    def failing(*args, **kwargs):
+    def registry_down() -> set[int]:
         tries.append(time.monotonic())
-        raise compact.CompactionFailed(window, OSError("storage refused the write"))
+        raise ConnectionError("registry at http://mlflow:5000 refused the connection")
 
-    monkeypatch.setattr(compact, "compact_once", failing)
-    hold, stop = SharedLease(snapshots.store.child("lease"), ttl_s=30), threading.Event()
-    cfg = SimpleNamespace(compact_window_s=60.0, compact_max_records=None)
-    with caplog.at_level(logging.WARNING, logger="app.data.compact"), hold.held():
-        compactor = compact.Compactor(snapshots, "t", cfg, hold, stop)
-        compactor.start()
+    stop = threading.Event()
+    cfg = WatchConfig(compact_interval_s=0.02, expire_after_s=0.01)
+    upkeep = Upkeep(table, settings, cfg, stop, pinned=registry_down)
+    with caplog.at_level(logging.WARNING, logger="app.data.watch"):
+        upkeep.start()
         deadline = time.monotonic() + 60
-        while len(tries) < 5 and time.monotonic() < deadline:
+        while len(tries) < STUCK_AFTER + 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        compactor.close()
-    assert len(tries) >= 5, tries
+        upkeep.close()
+    assert len(tries) >= STUCK_AFTER + 1, tries
     gaps = [b - a for a, b in zip(tries, tries[1:])]
     # Each wait is at least half of 0.02 s x 2^(failures - 1): they can only be longer, never shorter.
-    assert all(gap >= 0.01 * 2**i for i, gap in enumerate(gaps[:4])), gaps
-    messages = [
-        (r.levelno, r.getMessage()) for r in caplog.records if "compaction of t failed" in r.getMessage()
-    ]
-    window_name = "snap-a-part..snap-b-part (2 parts)"
-    assert [level for level, _ in messages[:4]] == [logging.WARNING] * 2 + [logging.ERROR] * 2
-    assert all(window_name in text for _, text in messages), messages
-    assert "failed 3 times in a row (stuck)" in messages[2][1]
+    assert all(gap >= 0.01 * 2**i for i, gap in enumerate(gaps[:STUCK_AFTER])), gaps
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records if "upkeep of" in r.getMessage()]
+    levels = [level for level, _ in messages[:STUCK_AFTER]]
+    assert levels == [logging.WARNING] * (STUCK_AFTER - 1) + [logging.ERROR], messages
+    assert f"failed {STUCK_AFTER} times in a row (stuck)" in messages[STUCK_AFTER - 1][1]
+    assert all("nothing expired" in text and "refused the connection" in text for _, text in messages)
+    # The compaction ran; nothing expired blindly: every snapshot is still there.
+    ids = {s.snapshot_id for s in pyiceberg_alone(root).snapshots()}
+    assert set(snapshots) < ids and table.current_snapshot_id() not in snapshots
