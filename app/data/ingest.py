@@ -185,7 +185,7 @@ def _ingest_once(
             details=commit_details(stats, settings.dlq_topic, cfg),
         )
     except OffsetConflict:
-        _delete_uncommitted(table, stats)
+        table.discard(stats.files)
         raise
     fault("after_commit")
     ends = {p: end for p, (_, end) in ranges.items()}
@@ -195,13 +195,6 @@ def _ingest_once(
     )
     _export_metrics(topic, report)
     return report
-
-
-def _delete_uncommitted(table: ImageTable, stats: WriteStats) -> None:
-    """Files written for a commit the catalog refused: no snapshot names them, nobody reads them."""
-    io = table.load().io
-    for data_file in stats.files:
-        io.delete(data_file.file_path)
 
 
 @contextlib.contextmanager

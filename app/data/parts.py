@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -128,16 +128,6 @@ class Part:
         return {p: (start - self.lost.get(p, 0), end) for p, (start, end) in self.ranges.items()}
 
 
-def delete_files(table: ImageTable, files: Iterable) -> None:
-    """Data files written for a commit that never happened: no snapshot names them, nobody reads them."""
-    io = table.load().io
-    for data_file in files:
-        try:
-            io.delete(data_file.file_path)
-        except FileNotFoundError:
-            pass
-
-
 class PartPipeline:
     """The pool of `PartWriter` actors and the parts in flight, committed oldest first."""
 
@@ -194,7 +184,7 @@ class PartPipeline:
                 stats = ray.get(ref)
             except Exception:  # a failed write: whatever it wrote is an orphan now
                 continue
-            delete_files(self.table, stats.files)
+            self.table.discard(stats.files)
 
     def cut(
         self, batch: Batch, next_offset: dict[int, int], watermarks: dict[int, int], lost: dict[int, int]
@@ -289,7 +279,7 @@ class PartPipeline:
                 details=details,
             )
         except OffsetConflict as exc:
-            delete_files(self.table, stats.files)
+            self.table.discard(stats.files)
             raise Restart(f"part {part.number} of {self.target.topic} not committed: {exc}") from exc
         fault("after_commit")
         return snapshot_id

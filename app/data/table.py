@@ -191,10 +191,18 @@ class ImageTable:
                 files, ranges, dlq_records, topic, lost=lost, watermarks=watermarks, details=details
             )
         except (OffsetConflict, ConfigError):  # refused before any catalog swap could land
-            table = self.catalog.load_table(self.identifier)
-            for data_file in files:  # never part of any snapshot: nobody can be reading them
-                table.io.delete(data_file.file_path)
+            self.discard(files)
             raise
+
+    def discard(self, files: Iterable[DataFile]) -> None:
+        """Delete data files written for a commit that never landed: no snapshot names them, so
+        nobody can be reading them."""
+        io = self.catalog.load_table(self.identifier).io
+        for data_file in files:
+            try:
+                io.delete(data_file.file_path)
+            except FileNotFoundError:
+                pass
 
     def commit_files(
         self,
