@@ -95,12 +95,14 @@ def _migrate(settings: Settings, args) -> int:
 
 
 def _erase(settings: Settings, args, cfg) -> int:
-    from app.data.maintenance import erase_user
+    from app.data.maintenance import erase_dead_letters, erase_user
     from app.data.table import ImageTable
+    from app.storage import Store
 
     # A storage without the table holds none of the user's rows: say so rather than create one.
     images = ImageTable.at(settings.storage, settings.catalog, settings.table, create=False)
     report = erase_user(images, cfg.user)
+    report.dead_letter_payloads = erase_dead_letters(Store.at(settings.uri("dlq")), cfg.user)
     print(report)
     print(report.outside_the_table())
     return 0

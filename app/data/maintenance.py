@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 from pyiceberg.exceptions import CommitFailedException, CommitStateUnknownException
 from pyiceberg.expressions import AlwaysTrue, EqualTo
 from pyiceberg.io import FileIO
@@ -33,8 +34,10 @@ from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.table.update import AssertRefSnapshotId, RemoveSnapshotsUpdate
 
 from app.data.catalog import FORMAT, FORMAT_KEY, dumps
+from app.data.records import dead_letter_folder
 from app.data.table import COMMITTED_KEY, TOPIC_KEY, WATERMARKS_KEY, ImageTable, _committed, _nearest
 from app.errors import ConfigError
+from app.storage import Store
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,8 @@ class ErasureReport:
     files_rewritten: int = 0
     snapshots_expired: list[int] = field(default_factory=list)
     files_deleted: int = 0
+    dead_letter_payloads: int | None = None
+    """Payloads deleted from `<storage>/dlq/` (None: not looked at)."""
 
     def __str__(self) -> str:
         if not self.rows and not self.snapshots_expired:
@@ -101,11 +106,33 @@ class ErasureReport:
         )
 
     def outside_the_table(self) -> str:
-        """What an erasure of the table leaves elsewhere, said with every erasure."""
-        return (
-            "not in the table: served traffic logs hold no user ids; dead letters stay in the "
-            "dead-letter topic until its retention deletes them"
+        """What an erasure leaves outside the table, said with every erasure."""
+        payloads = (
+            f"{self.dead_letter_payloads} dead-letter payloads deleted from storage; "
+            if self.dead_letter_payloads is not None
+            else ""
         )
+        return (
+            f"outside the table: {payloads}served traffic logs hold no user ids; the dead-letter "
+            "topic's records stay until its retention deletes them"
+        )
+
+
+def erase_dead_letters(dlq: Store, user_id: str) -> int:
+    """Delete `user_id`'s dead-letter payloads under `<storage>/dlq/<topic>/` (every topic);
+    how many objects went."""
+    folder = dead_letter_folder(user_id)
+    deleted = 0
+    if not dlq.exists():
+        return 0
+    for topic in dlq.list():
+        if topic.type != pafs.FileType.Directory:
+            continue
+        mine = dlq.child(topic.base_name, folder)
+        if mine.exists():
+            deleted += sum(1 for info in mine.list(recursive=True) if info.type == pafs.FileType.File)
+            mine.delete_dir()
+    return deleted
 
 
 def carried_summary(table: Table, base: Snapshot | None) -> dict[str, str]:

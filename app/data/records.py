@@ -6,6 +6,7 @@ bad record must not fail the read task that holds thousands of good ones.
 
 from __future__ import annotations
 
+import hashlib
 import operator
 
 from app.errors import Reason
@@ -147,3 +148,10 @@ def header_fields(
         fields["header_error"] = "; ".join(too_long + errors)
         fields["header_reason"] = Reason.HEADER_TOO_LONG if too_long else Reason.BAD_HEADER
     return fields
+
+
+def dead_letter_folder(user_id: str | None) -> str:
+    """The folder under `<storage>/dlq/<topic>/` that holds a user's dead-letter payloads (those
+    too large for the DLQ topic): named by a digest of the record's key, so `argus erase --user`
+    finds them without Kafka and the path shows no user id."""
+    return "user-" + hashlib.sha256((user_id or "").encode()).hexdigest()[:16]

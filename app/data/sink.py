@@ -15,7 +15,7 @@ from ray.data.block import BlockAccessor
 
 from app.data import kafka
 from app.data.proof import WriteStats
-from app.data.records import record_headers
+from app.data.records import dead_letter_folder, record_headers
 from app.data.selection import hwc_bytes
 from app.data.table import ImageTable
 from app.storage import Store
@@ -76,8 +76,9 @@ def _dead_letter(row: dict, target: SinkTarget) -> tuple[bytes, list[tuple[str, 
     size = len(value) + len((row["key"] or "").encode()) + sum(len(k) + len(v) for k, v in headers)
     if size + RECORD_OVERHEAD_BYTES <= target.dlq_max_bytes:
         return value, headers
-    # Named by its source coordinates: a rerun after a crash overwrites the same object.
-    relative = f"{target.topic}/{row['partition']}-{row['offset']}.bin"
+    # Named by its source coordinates (a rerun after a crash overwrites the same object), under its
+    # user's folder (one user's are erased together).
+    relative = f"{target.topic}/{dead_letter_folder(row['key'])}/{row['partition']}-{row['offset']}.bin"
     digest = target.dlq.write(relative, value)
     headers += [
         ("payload_uri", target.dlq.uri(relative).encode()),

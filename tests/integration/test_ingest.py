@@ -22,7 +22,7 @@ from app.config import IngestConfig, ProduceConfig
 from app.data import synth
 from app.data.ingest import ingest
 from app.data.produce import produce
-from app.data.records import SCHEMA_VERSION, record_headers
+from app.data.records import SCHEMA_VERSION, dead_letter_folder, record_headers
 from app.data.selection import chw_images
 from app.data.table import ImageTable
 from app.transform import normalize_pixels, preprocess
@@ -397,6 +397,7 @@ def test_a_dead_letter_too_large_for_the_dlq_topic_goes_to_storage_with_a_pointe
         settings.local_storage_path
         / "dlq"
         / settings.topic
+        / dead_letter_folder("user-big")  # erase --user finds a user's payloads there
         / f"{coordinates[-2][0]}-{coordinates[-2][1]}.bin"
     )
     assert headers["payload_uri"] == str(stored) and stored.read_bytes() == big

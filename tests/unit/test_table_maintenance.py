@@ -15,6 +15,7 @@ from pyiceberg.catalog.sql import SqlCatalog
 
 from app.data.catalog import METADATA_VERSIONS_KEPT
 from app.data.maintenance import compact, expire, remove_orphans
+from app.data.records import dead_letter_folder
 from app.data.table import ImageTable
 
 from tables import TOPIC, batch, coordinates, pyiceberg_alone
@@ -159,10 +160,21 @@ def test_erasing_a_user_removes_their_rows_from_the_table_its_history_and_the_di
     compact(table, target_file_bytes=1 << 20)
     table.commit(with_users(batch(1, range(2)), ["erin", "bob"]), {1: (0, 2)}, 0, TOPIC)
 
+    # Dead letters too large for their topic, stored as the sink stores them (two topics' worth).
+    owners = [("t", "alice"), ("t", "alice"), ("t2", "alice"), ("t", "bob")]
+    payloads = [
+        tmp_path / "dlq" / t / dead_letter_folder(u) / f"0-{i}.bin" for i, (t, u) in enumerate(owners)
+    ]
+    for path in payloads:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(path.name.encode())
+
     erased = cli("erase", "--user", "alice", "--storage", str(tmp_path))
     assert erased.returncode == 0, erased.stderr
     assert "3 rows of user 'alice' deleted (2 files rewritten)" in erased.stdout, erased.stdout
+    assert "3 dead-letter payloads deleted from storage" in erased.stdout, erased.stdout
     assert "served traffic logs hold no user ids" in erased.stdout
+    assert sorted((tmp_path / "dlq").rglob("*.bin")) == [payloads[3]]  # bob's stays
 
     rows = table.scan(table.current_snapshot_id())
     assert "alice" not in rows.column("user_id").to_pylist()
