@@ -33,7 +33,7 @@ def batch(partition: int, offsets, writer: str = "w") -> pa.Table:
             "label": [None if o % 3 == 0 else "tap" for o in offsets],
             "event_time_ms": pa.array([T0 + (o % 2) * DAY_MS + o for o in offsets], pa.int64()),
             "device_id": [f"device-{o % 2}" for o in offsets],
-            "pixels": [(base + o).tobytes() for o in offsets],
+            "pixels": [(base + o % 256).tobytes() for o in offsets],
             "height": pa.array([8] * len(offsets), pa.int32()),
             "width": pa.array([8] * len(offsets), pa.int32()),
         }
@@ -116,3 +116,64 @@ def check_one_winner(storage: Path, outcomes: dict[str, str], catalog: str | Non
     by_offset = dict(zip(rows.column("kafka_offset").to_pylist(), rows.column("user_id").to_pylist()))
     assert all(by_offset[o].startswith(f"{winner}:") for o in range(4))
     assert ImageTable.at(str(storage), catalog).committed() == {0: 8}
+
+
+def long_history(storage: Path, commits: int) -> ImageTable:
+    """A table with `commits` commits in its history, built in seconds: one real commit of offset 0
+    as a row, then `commits - 1` commits of one dead letter each ([i, i + 1) of partition 0), as
+    Argus records them, written as one metadata file the catalog then registers. Those commits add
+    no files, so all share the first one's manifest list, as PyIceberg's own would hold the same
+    manifests. What 10,000 real commits would cost (hours here) it skips; what a reader, a planner
+    or the upkeep meets is the same history."""
+    from pyiceberg.catalog import Catalog
+    from pyiceberg.serializers import ToOutputFile
+    from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRef, SnapshotRefType
+    from pyiceberg.table.snapshots import Operation, Snapshot, Summary
+
+    from app.data.catalog import dumps
+
+    images = ImageTable.at(str(storage))
+    images.commit(batch(0, [0]), {0: (0, 1)}, 0, TOPIC)
+    table = images.load()
+    first = table.current_snapshot()
+    snapshots, parent = [first], first
+    for offset in range(1, commits):
+        summary = Summary(
+            Operation.APPEND,
+            **{
+                "argus.format": "2",
+                "argus.kafka.topic": TOPIC,
+                "argus.kafka.ranges": dumps({0: [offset, offset + 1]}),
+                "argus.kafka.committed": dumps({0: offset + 1}),
+                "argus.dlq.records": "1",
+            },
+        )
+        parent = Snapshot(
+            snapshot_id=first.snapshot_id + offset,
+            parent_snapshot_id=parent.snapshot_id,
+            sequence_number=first.sequence_number + offset,
+            timestamp_ms=first.timestamp_ms,  # not later: expiry by age must reach them all
+            manifest_list=first.manifest_list,
+            summary=summary,
+            schema_id=first.schema_id,
+        )
+        snapshots.append(parent)
+    metadata = table.metadata.model_copy(
+        update={
+            "snapshots": snapshots,
+            "current_snapshot_id": parent.snapshot_id,
+            "last_sequence_number": parent.sequence_number,
+            "refs": {
+                MAIN_BRANCH: SnapshotRef(
+                    snapshot_id=parent.snapshot_id, snapshot_ref_type=SnapshotRefType.BRANCH
+                )
+            },
+            "snapshot_log": [],
+        }
+    )
+    location = f"{table.metadata.location}/metadata/99999-long-history.metadata.json"
+    ToOutputFile.table_metadata(metadata, table.io.new_output(location))
+    images.catalog.drop_table(images.identifier)  # the catalog's pointer only; files stay
+    images.catalog.register_table(images.identifier, location)
+    assert Catalog.namespace_from(images.identifier)
+    return images

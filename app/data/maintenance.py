@@ -249,8 +249,13 @@ def _referenced(table: Table, snapshots: Iterable[Snapshot]) -> set[str]:
     """Every file the `snapshots` need: their manifest lists, manifests and live data files."""
     paths: set[str] = set()
     for snapshot in snapshots:
+        # Manifest lists and manifests are immutable and shared along the history: each is read once.
+        if snapshot.manifest_list in paths:
+            continue
         paths.add(snapshot.manifest_list)
         for manifest in snapshot.manifests(table.io):
+            if manifest.manifest_path in paths:
+                continue
             paths.add(manifest.manifest_path)
             paths.update(
                 e.data_file.file_path for e in manifest.fetch_manifest_entry(table.io, discard_deleted=True)
@@ -280,10 +285,9 @@ def _expire_ids(images: ImageTable, choose: Callable[[Table], set[int]]) -> tupl
         if not ids:
             return None
         kept = [s for s in table.snapshots() if s.snapshot_id not in ids]
+        expired = [s for s in table.snapshots() if s.snapshot_id in ids]
         chosen["ids"] = sorted(ids)
-        chosen["files"] = _referenced(table, (table.snapshot_by_id(i) for i in ids)) - _referenced(
-            table, kept
-        )
+        chosen["files"] = _referenced(table, expired) - _referenced(table, kept)
         txn = table.transaction()
         # PyIceberg's ExpireSnapshots asserts nothing; this removal must not race a compaction that
         # makes a file of an expired snapshot live again.

@@ -18,7 +18,7 @@ from app.data.maintenance import compact, expire, remove_orphans
 from app.data.records import dead_letter_folder
 from app.data.table import ImageTable
 
-from tables import TOPIC, batch, coordinates, pyiceberg_alone
+from tables import TOPIC, batch, coordinates, long_history, pyiceberg_alone
 
 
 def parquet_on_disk(storage: Path) -> set[str]:
@@ -208,3 +208,21 @@ def test_erase_where_there_is_no_table_refuses_and_creates_nothing(tmp_path, cli
     assert refused.returncode == 2 and "no table argus.other" in refused.stderr, refused.stderr
     plain = SqlCatalog("argus", uri=f"sqlite:///{tmp_path / 'catalog.db'}", warehouse=f"file://{tmp_path}")
     assert not plain.table_exists("argus.other")
+
+
+def test_a_10000_commit_history_plans_commits_and_shrinks_to_what_is_pinned(tmp_path):
+    table = long_history(tmp_path, 10_000)
+    first, *_, last = [s.snapshot_id for s in table.load().snapshots()]
+    assert table.committed() == {0: 10_000}  # from the current snapshot's summary, not a walk
+    assert coordinates(table.scan(last)) == [(0, 0)]
+    nth = table.commit(batch(0, range(10_000, 10_002)), {0: (10_000, 10_002)}, 0, TOPIC)
+    assert table.committed() == {0: 10_002} and len(table.load().snapshots()) == 10_001
+
+    metadata = max((tmp_path / "warehouse").rglob("*.metadata.json"), key=os.path.getmtime)
+    report = expire(table, older_than_s=0, keep={first})
+    assert len(report.snapshots) == 9_999
+    assert {s.snapshot_id for s in table.load().snapshots()} == {first, nth}
+    shrunk = max((tmp_path / "warehouse").rglob("*.metadata.json"), key=os.path.getmtime)
+    assert os.path.getsize(shrunk) < os.path.getsize(metadata) / 100
+    assert coordinates(table.scan(first)) == [(0, 0)]  # the pinned reader's rows are still there
+    assert table.committed() == {0: 10_002}
