@@ -264,10 +264,12 @@ def settings_args(settings: Settings) -> list[str]:
         settings.model,
         "--partitions",
         str(settings.partitions),
-        *(["--catalog", settings.catalog] if settings.catalog else []),
-        "--table",
-        settings.table,
     ]
+
+
+def table_args(settings: Settings) -> list[str]:
+    """`--catalog` and `--table`, for the commands that read or write the table."""
+    return [*(["--catalog", settings.catalog] if settings.catalog else []), "--table", settings.table]
 
 
 TRAIN_GAUGES = ("ray_argus_train_loss", "ray_argus_train_images_per_second", "ray_argus_train_epoch_seconds")

@@ -1,6 +1,6 @@
 """`python -m app demo` (the README's `make demo`): the whole path once, on embedded defaults.
 
-Embedded broker → synthetic records → Ray Data ingest → snapshot → Ray Train (2 CPU workers,
+Embedded broker → synthetic records → Ray Data ingest → Iceberg table → Ray Train (2 CPU workers,
 small CNN, 64 px) → MLflow registry → Ray Serve on 127.0.0.1 → predictions over HTTP →
 federated fine-tuning (Flower clients on Ray actors) with `--promote-if-better` → a rollout to the
 federated version under steady traffic, counting failed requests, only if it beat the champion on
@@ -79,7 +79,7 @@ def run_demo(settings: Settings, args) -> int:
                 "Ray Data operators, Train workers and Serve replicas, live while the demo runs",
                 flush=True,
             )
-            t = _step("ingesting with Ray Data: Kafka → preprocess → Parquet snapshot")
+            t = _step("ingesting with Ray Data: Kafka → preprocess → one Iceberg table commit")
             print(ingest(settings, IngestConfig(), kafka))
             timings["ingest"] = time.perf_counter() - t
 
@@ -157,7 +157,7 @@ def run_demo(settings: Settings, args) -> int:
     total = time.perf_counter() - started - held_s
     print("\n== done in {:.0f}s ({})".format(total, ", ".join(f"{k} {v:.0f}s" for k, v in timings.items())))
     print(outcome)
-    print(f"snapshots and checkpoints: {settings.local_storage_path}")
+    print(f"table, checkpoints and logs: {settings.local_storage_path}")
     if not args.hold:
         print(
             "Ray dashboard and Serve stopped with the demo: `python -m app demo --hold` keeps them up, "

@@ -133,7 +133,7 @@ def test_demo_serves_predictions_rolls_out_and_shows_the_dashboard(tmp_path):
     stages = ("ingesting with Ray Data", "training with Ray Train", "serving with Ray Serve", "federated")
     for stage in stages:
         assert f"== {stage}" in console, stage
-    assert re.search(r"^snapshot snap-\S+: \d+ records", console, re.M), console
+    assert re.search(r"^table snapshot \d+: \d+ records", console, re.M), console
     assert re.search(r"INFO app\.train\.\w+: epoch 1/1: train loss [\d.]+, validation accuracy", console), (
         console
     )

@@ -44,18 +44,22 @@ def head_node(tmp_path_factory, mlflow_server):
 
 
 def _drifted_copy(trained, tmp_path):
-    """The trained version's snapshots and registry in a storage of this test's own (so the job
-    registers nothing other tests see), with traffic the model never saw: flat grey screens."""
+    """The trained version's registry in a storage of this test's own (so the job registers nothing
+    other tests see), its table read where it is (the catalog named, as a shared one is in
+    production), with traffic the model never saw: flat grey screens."""
     import torch
 
     from app.serve import TrafficLog
 
     local, _, _, report, _ = trained
     storage = tmp_path / "data"
-    shutil.copytree(local.local_storage_path / "snapshots", storage / "snapshots")
+    storage.mkdir()
     shutil.copy(local.local_storage_path / "mlflow.db", tmp_path / "mlflow.db")  # artifacts stay put
     settings = dataclasses.replace(
-        local, storage=str(storage), mlflow_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"
+        local,
+        storage=str(storage),
+        catalog=f"sqlite:///{local.local_storage_path / 'catalog.db'}",
+        mlflow_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
     )
     log = TrafficLog(settings.uri("traffic"), "grey")
     scores = {c: (1.0 if i == 0 else 0.0) for i, c in enumerate(report.classes)}
@@ -219,7 +223,7 @@ def test_drift_with_retrain_submits_the_retraining_job_only_on_drift(trained, he
         assert f"--storage {settings.local_storage_path} " in command
         assert f"--topic {settings.topic} " in command and f"--image-size {TEST_IMAGE_SIZE} " in command
         assert f"--mlflow-uri {settings.mlflow_uri}" in command
-    # It runs from the shipped project folder: its ingest finds the copied ledger complete.
+    # It runs from the shipped project folder: its ingest finds the table complete.
     deadline = time.monotonic() + 300
     while "nothing new to ingest" not in client.get_job_logs(found.job_id):
         status = client.get_job_status(found.job_id)

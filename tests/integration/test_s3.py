@@ -19,7 +19,7 @@ from app.errors import ConfigError
 from app.net import free_port
 from app.storage import s3_client
 
-from conftest import run_cli, settings_args
+from conftest import run_cli, settings_args, table_args
 
 
 @pytest.fixture
@@ -109,7 +109,13 @@ def test_ingest_killed_at_each_commit_step_reruns_exactly_on_s3(s3, s3_bucket, r
 
     kafka = s3.kafka_connection()
     produce(s3, ProduceConfig(synthetic=30, seed=9, source_image_size=32, corrupt_fraction=0.0), kafka)
-    args = ["ingest", *settings_args(s3), "--ray-address", ray.get_runtime_context().gcs_address]
+    args = [
+        "ingest",
+        *settings_args(s3),
+        *table_args(s3),
+        "--ray-address",
+        ray.get_runtime_context().gcs_address,
+    ]
     killed = run_cli(*args, env={"ARGUS_FAULT": fault})
     assert killed.returncode == 137, killed.stderr[-2000:]
     committed_by_the_killed_run = len(table_coordinates(s3))
