@@ -56,6 +56,9 @@ TABLE_PROPERTIES = {
 """Properties every Argus table has; `ImageTable` sets them again on a table that lost them."""
 
 
+CREATE_ATTEMPTS = 3
+
+
 def _is_local(uri: str) -> bool:
     return "://" not in uri or uri.startswith("file://")
 
@@ -112,10 +115,16 @@ def open_catalog(uri: str, warehouse: str, create: bool = True) -> Catalog:
                 f"there is no catalog at {uri} (--storage or --catalog names another); nothing created"
             )
         path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        return SqlCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse, **file_io_properties())
-    except Exception as exc:  # a URI SQLAlchemy cannot parse or whose driver is absent
-        raise ConfigError(f"--catalog {uri}: {type(exc).__name__}: {exc}") from exc
+    for attempt in range(CREATE_ATTEMPTS):
+        try:
+            return SqlCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse, **file_io_properties())
+        except Exception as exc:  # a URI SQLAlchemy cannot parse or whose driver is absent
+            # PyIceberg creates its two tables check-then-create: two processes opening a new
+            # catalog at once (two watches starting) race, and the loser's tables now exist.
+            if "already exists" in str(exc) and attempt + 1 < CREATE_ATTEMPTS:
+                continue
+            raise ConfigError(f"--catalog {uri}: {type(exc).__name__}: {exc}") from exc
+    raise AssertionError("unreachable")
 
 
 def table_schema(*, source: bool = False, features: bool = False) -> Schema:

@@ -6,6 +6,8 @@ and reads pinned to a snapshot, through Argus and through PyIceberg alone."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -287,3 +289,37 @@ def test_the_handle_travels_as_its_location(tmp_path):
     assert copy.identifier == "argus.other_images" and copy.committed() == {0: 1}
     rows = copy.scan(copy.current_snapshot_id(), ["features", "source"])
     assert rows.column("features").to_pylist() == [[0.5, 1.5]] and rows.column("source").to_pylist() == [None]
+
+
+OPENER = """
+import sys
+from app.data.catalog import open_catalog
+uri, warehouse, go = sys.argv[1:]
+sys.stdout.write("ready\\n"); sys.stdout.flush()
+sys.stdin.readline()
+open_catalog(uri, warehouse)
+"""
+
+
+def test_processes_opening_a_new_catalog_together_all_get_it(tmp_path):
+    """PyIceberg creates a SQL catalog's tables check-then-create: processes that open a new one
+    at once (two watches started together) race, and every one must still get the catalog."""
+    for round_ in range(3):
+        uri = f"sqlite:///{tmp_path / f'catalog-{round_}.db'}"
+        children = [
+            subprocess.Popen(
+                [sys.executable, "-c", OPENER, uri, f"file://{tmp_path}", "go"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(6)
+        ]
+        for child in children:
+            assert child.stdout.readline().strip() == "ready"
+        for child in children:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        errors = [child.communicate(timeout=120)[1] for child in children]
+        assert [child.returncode for child in children] == [0] * 6, errors
