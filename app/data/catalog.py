@@ -57,6 +57,7 @@ TABLE_PROPERTIES = {
 
 
 CREATE_ATTEMPTS = 3
+SQLITE_BUSY_TIMEOUT_S = 60
 
 
 def _is_local(uri: str) -> bool:
@@ -108,16 +109,21 @@ def open_catalog(uri: str, warehouse: str, create: bool = True) -> Catalog:
         return RestCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse, **file_io_properties())
     from pyiceberg.catalog.sql import SqlCatalog
 
+    engine_uri = uri
     if uri.startswith("sqlite:///"):  # SQLite creates the file, not the folder it goes in
-        path = Path(uri.removeprefix("sqlite:///"))
+        path = Path(uri.removeprefix("sqlite:///").split("?")[0])
         if not create and not path.exists():
             raise ConfigError(
                 f"there is no catalog at {uri} (--storage or --catalog names another); nothing created"
             )
         path.parent.mkdir(parents=True, exist_ok=True)
+        if "timeout=" not in uri:
+            # Writers in several processes (watches, an ingest, their upkeep) take SQLite's one
+            # write lock in turn: wait for it as long as a slow commit may hold it, not 5 s.
+            engine_uri = f"{uri}{'&' if '?' in uri else '?'}timeout={SQLITE_BUSY_TIMEOUT_S}"
     for attempt in range(CREATE_ATTEMPTS):
         try:
-            return SqlCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse, **file_io_properties())
+            return SqlCatalog(CATALOG_NAME, uri=engine_uri, warehouse=warehouse, **file_io_properties())
         except Exception as exc:  # a URI SQLAlchemy cannot parse or whose driver is absent
             # PyIceberg creates its two tables check-then-create: two processes opening a new
             # catalog at once (two watches starting) race, and the loser's tables now exist.
