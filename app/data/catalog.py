@@ -180,14 +180,25 @@ def create_or_load(
             raise ConfigError(
                 f"there is no table {identifier} in the catalog (--table names another); nothing created"
             ) from None
-    catalog.create_namespace_if_not_exists(namespace)
     properties = {FORMAT_KEY: str(FORMAT), **TABLE_PROPERTIES}
-    return catalog.create_table_if_not_exists(
-        identifier,
-        table_schema(source=source, features=features),
-        partition_spec=partition_spec(),
-        properties=properties,
-    )
+    for attempt in range(CREATE_ATTEMPTS):
+        try:
+            catalog.create_namespace_if_not_exists(namespace)
+            return catalog.create_table_if_not_exists(
+                identifier,
+                table_schema(source=source, features=features),
+                partition_spec=partition_spec(),
+                properties=properties,
+            )
+        except Exception:
+            # Two writers creating the table at once (two ingests, a watch and an ingest): the SQL
+            # catalog's check-then-insert of the namespace fails for one. Take what the other made.
+            try:
+                return catalog.load_table(identifier)
+            except NoSuchTableError:
+                if attempt + 1 == CREATE_ATTEMPTS:
+                    raise
+    raise AssertionError("unreachable")
 
 
 def check_format(table: Table) -> None:

@@ -178,14 +178,19 @@ def ensure_topics(
     does not report the source's, the producer's limit (MAX_MESSAGE_BYTES).
     """
     from kafka.admin import NewTopic
-    from kafka.errors import KafkaError
+    from kafka.errors import KafkaError, TopicAlreadyExistsError
 
     admin = kafka.admin()
     try:
         existing = set(admin.list_topics())
         if topic not in existing:
-            admin.create_topics([NewTopic(topic, partitions, replication_factor)])
-            log.info("created topic %s: %d partitions, replication %d", topic, partitions, replication_factor)
+            try:
+                admin.create_topics([NewTopic(topic, partitions, replication_factor)])
+                log.info(
+                    "created topic %s: %d partitions, replication %d", topic, partitions, replication_factor
+                )  # noqa: E501
+            except TopicAlreadyExistsError:  # another writer starting at the same time created it
+                pass
         if dlq_topic not in existing:
             source = _max_message_bytes(admin, topic)
             limit = MAX_MESSAGE_BYTES if source is None else source + DLQ_HEADER_ROOM
@@ -194,6 +199,8 @@ def ensure_topics(
                 admin.create_topics(
                     [NewTopic(dlq_topic, partitions, replication_factor, topic_configs=configs)]
                 )
+            except TopicAlreadyExistsError:  # another writer starting at the same time created it
+                return
             except KafkaError as exc:
                 if dlq_topic in set(admin.list_topics()):
                     raise

@@ -293,17 +293,18 @@ def test_the_handle_travels_as_its_location(tmp_path):
 
 OPENER = """
 import sys
-from app.data.catalog import open_catalog
+from app.data.table import ImageTable
 uri, warehouse, go = sys.argv[1:]
 sys.stdout.write("ready\\n"); sys.stdout.flush()
 sys.stdin.readline()
-open_catalog(uri, warehouse)
+ImageTable(uri, warehouse)
 """
 
 
-def test_processes_opening_a_new_catalog_together_all_get_it(tmp_path):
-    """PyIceberg creates a SQL catalog's tables check-then-create: processes that open a new one
-    at once (two watches started together) race, and every one must still get the catalog."""
+def test_processes_opening_a_new_catalog_together_all_get_the_table(tmp_path):
+    """PyIceberg creates a SQL catalog's tables, a namespace and a table check-then-create:
+    processes that open a new one at once (two ingests or watches started together) race, and
+    every one must still get the one table."""
     for round_ in range(3):
         uri = f"sqlite:///{tmp_path / f'catalog-{round_}.db'}"
         children = [
