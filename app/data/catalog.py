@@ -190,14 +190,14 @@ def create_or_load(
                 partition_spec=partition_spec(),
                 properties=properties,
             )
-        except Exception:
+        except Exception as exc:
             # Two writers creating the table at once (two ingests, a watch and an ingest): the SQL
             # catalog's check-then-insert of the namespace fails for one. Take what the other made.
             try:
                 return catalog.load_table(identifier)
             except NoSuchTableError:
                 if attempt + 1 == CREATE_ATTEMPTS:
-                    raise
+                    raise exc from None
     raise AssertionError("unreachable")
 
 
