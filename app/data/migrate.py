@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from app.data.legacy import PIXELS, CorruptSnapshot, LegacySnapshots, Manifest, live_manifests
+from app.data.selection import hwc_bytes
 from app.data.table import ImageTable
 from app.errors import ConfigError
 
@@ -145,7 +146,6 @@ def table_rows(snapshots: LegacySnapshots, manifest: Manifest) -> pa.Table:
     raw = snapshots.read_rows(manifest, columns)
     images = raw.column("image").combine_chunks().to_numpy()
     count, _, height, width = images.shape if images.size else (0, 3, 0, 0)
-    pixels = np.ascontiguousarray(images.transpose(0, 2, 3, 1)).reshape(count, -1)
     rows = {
         "kafka_partition": raw.column("partition").cast(pa.int32()),
         "kafka_offset": raw.column("offset").cast(pa.int64()),
@@ -153,7 +153,7 @@ def table_rows(snapshots: LegacySnapshots, manifest: Manifest) -> pa.Table:
         "label": raw.column("label").cast(pa.string()),
         "event_time_ms": raw.column("event_time").cast(pa.int64()),
         "device_id": _text(raw.column("device_id")),
-        "pixels": pa.array([row.tobytes() for row in pixels], pa.binary()),
+        "pixels": pa.array(hwc_bytes(images), pa.binary()),
         "height": pa.array(np.full(count, height, np.int32)),
         "width": pa.array(np.full(count, width, np.int32)),
     }
