@@ -85,6 +85,17 @@ def _ingest(settings: Settings, args, cfg) -> int:
     return 0
 
 
+def _redrive(settings: Settings, args, cfg) -> int:
+    from app.cluster import ray_session, require_local_gpu
+    from app.data.broker import kafka_endpoint
+    from app.data.redrive import redrive
+
+    require_local_gpu(settings, cfg.use_gpu)
+    with kafka_endpoint(settings) as kafka, ray_session(settings):
+        print(redrive(settings, cfg, kafka))
+    return 0
+
+
 def _migrate(settings: Settings, args) -> int:
     from app.data.legacy import LegacySnapshots
     from app.data.migrate import migrate
@@ -290,6 +301,13 @@ COMMANDS = {
         _lag,
         options.add_lag,
         ("app.data.backlog:LagConfig",),
+        needs_kafka=True,
+    ),
+    "redrive": Command(
+        "ingests the dead letters whose failure no longer applies, exactly once",
+        _redrive,
+        options.add_redrive,
+        ("app.config:IngestConfig",),
         needs_kafka=True,
     ),
     "migrate": Command(

@@ -6,6 +6,7 @@ clear line (exit 2) before any Ray or Kafka work starts.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import re
 import socket
@@ -216,8 +217,15 @@ class IngestConfig:
     keep_source: bool = False
     """Keep each record's encoded image in the snapshot (`source`): training at another
     `--image-size` then resizes from the snapshot, without needing Kafka's retention."""
+    start_from: str | None = None
+    """`--from`: where a table with no commit yet starts reading: `earliest` (the log start; what
+    retention deleted before is not this table's loss) or a time (ISO 8601, or epoch ms): each
+    partition's first record at or after it. None: offset 0, retention's deletions counted lost.
+    A table that has commits resumes from them, whatever this says."""
 
     def __post_init__(self) -> None:
+        if self.start_from is not None:
+            start_time_ms(self.start_from)  # a bad value fails here, as a config error
         _require(self.max_record_bytes > 0, "--max-record-bytes must be > 0")
         _require(self.dlq_max_bytes > 0, "--dlq-max-bytes must be > 0")
         _require(self.allowed_lateness_s >= 0, "--allowed-lateness-s must be >= 0")
@@ -225,6 +233,23 @@ class IngestConfig:
         _require(self.concurrency is None or self.concurrency >= 1, "--concurrency must be >= 1")
         _require(self.decode_threads is None or self.decode_threads >= 1, "--decode-threads must be >= 1")
         _require(self.batch_size >= 1, "--batch-size must be >= 1")
+
+
+def start_time_ms(start_from: str) -> int | None:
+    """`--from`'s time in epoch ms; None for `earliest`."""
+    if start_from == "earliest":
+        return None
+    if re.fullmatch(r"\d{1,15}", start_from):
+        return int(start_from)
+    try:
+        moment = datetime.datetime.fromisoformat(start_from.replace("Z", "+00:00"))
+    except ValueError:
+        raise ConfigError(
+            f"--from must be earliest, an ISO 8601 time or epoch ms, got {start_from!r}"
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.UTC)  # Kafka timestamps are UTC
+    return int(moment.timestamp() * 1000)
 
 
 @dataclass(kw_only=True)

@@ -62,21 +62,20 @@ def add_produce(parser) -> None:
     parser.add_argument("--linger-ms", type=int, help="producer batching delay (default 20)")
 
 
-def add_ingest(parser) -> None:
+def add_ingest(parser, *, start: bool = True) -> None:
     add_table(parser)
+    if start:  # a watch resumes a table; it starts a new one where a first ingest's --from did
+        parser.add_argument(
+            "--from",
+            dest="start_from",
+            metavar="earliest|TIME",
+            help="where a new table starts: earliest (the log start) or a time, ISO 8601 or epoch ms "
+            "(default: offset 0, what retention deleted counted lost); a table with commits resumes",
+        )
     parser.add_argument("--group", help="consumer group (default argus-ingest)")
-    parser.add_argument("--max-record-bytes", type=int, help="larger values go to the DLQ (default 10 MiB)")
+    add_cleaning(parser)
     parser.add_argument(
         "--allowed-lateness-s", type=float, help="lateness flagged beyond this (default 3600)"
-    )
-    parser.add_argument("--features", choices=["resnet50"], help="add a 2048-d ResNet-50 feature column")
-    parser.add_argument("--weights", help="local path of backbone weights (default: random, with a warning)")
-    parser.add_argument("--use-gpu", action="store_true", default=None, help="preprocess on GPU actors")
-    parser.add_argument(
-        "--concurrency", type=int, help="most preprocessing actors (default: one per CPU, or per GPU)"
-    )
-    parser.add_argument(
-        "--decode-threads", type=int, help="decode threads per actor (default 1, CPUs per GPU on GPU)"
     )
     parser.add_argument(
         "--dlq-max-bytes", type=int, help="larger dead letters go to <storage>/dlq/, a pointer to the topic"
@@ -87,12 +86,32 @@ def add_ingest(parser) -> None:
         default=None,
         help="fail when retention deleted records before they were ingested (default: record and go on)",
     )
+
+
+def add_cleaning(parser) -> None:
+    """What decides the row a record becomes (or why it is a dead letter), besides the shared
+    `--classes` and `--image-size`: `ingest`, `watch` and `redrive` clean records alike."""
+    parser.add_argument("--max-record-bytes", type=int, help="larger values go to the DLQ (default 10 MiB)")
+    parser.add_argument("--features", choices=["resnet50"], help="add a 2048-d ResNet-50 feature column")
+    parser.add_argument("--weights", help="local path of backbone weights (default: random, with a warning)")
+    parser.add_argument("--use-gpu", action="store_true", default=None, help="preprocess on GPU actors")
+    parser.add_argument(
+        "--concurrency", type=int, help="most preprocessing actors (default: one per CPU, or per GPU)"
+    )
+    parser.add_argument(
+        "--decode-threads", type=int, help="decode threads per actor (default 1, CPUs per GPU on GPU)"
+    )
     parser.add_argument(
         "--keep-source",
         action="store_true",
         default=None,
         help="keep each encoded image in the snapshot, so training at another --image-size needs no Kafka",
     )
+
+
+def add_redrive(parser) -> None:
+    add_table(parser)
+    add_cleaning(parser)
 
 
 def add_train(parser) -> None:
@@ -327,7 +346,7 @@ def add_promote(parser) -> None:
 
 
 def add_watch(parser) -> None:
-    add_ingest(parser)
+    add_ingest(parser, start=False)
     parser.add_argument("--lag-alert-s", type=float, help="alert threshold in seconds (default 5)")
     parser.add_argument(
         "--lag-alert-for-s",
@@ -360,6 +379,12 @@ def add_watch(parser) -> None:
         "--expire-after-s",
         type=float,
         help="table snapshots older than this expire, but those registered versions name (default 7 days)",
+    )
+    parser.add_argument(
+        "--keep-snapshots",
+        type=int,
+        help="at most this many newest table snapshots stay, besides those registered versions name "
+        "and those running readers hold (default 20)",
     )
     parser.add_argument(
         "--orphan-after-s",

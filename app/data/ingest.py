@@ -35,7 +35,7 @@ from app.data.kafka_range import (
     read_ranges,
     streaming_blocks,
 )
-from app.data.plan import commit_ranges, pending_ranges, report_lost
+from app.data.plan import Pending, commit_ranges, pending_ranges, report_lost
 from app.data.preprocess import preprocess_batches
 from app.data.proof import WriteStats, prove
 from app.data.sink import SinkTarget, TableSink
@@ -87,10 +87,12 @@ def open_table(settings: Settings, cfg: IngestConfig) -> ImageTable:
     )
 
 
-def commit_details(stats: WriteStats, dlq_topic: str, cfg: IngestConfig) -> dict[str, str]:
+def commit_details(
+    stats: WriteStats, dlq_topic: str, cfg: IngestConfig, pending: Pending | None = None
+) -> dict[str, str]:
     """What a commit's summary records beside the offsets: dead letters by reason, late and skipped
-    records, and with --features the backbone that computed them (CONTRACT.md §2 names the required
-    keys; these are Argus's own)."""
+    records, with --features the backbone that computed them, and a new table's --from (CONTRACT.md
+    §2 names the required keys; these are Argus's own)."""
     details = {
         "argus.dlq.topic": dlq_topic,
         "argus.dlq.errors": dumps(dict(stats.dlq_errors)),
@@ -99,6 +101,8 @@ def commit_details(stats: WriteStats, dlq_topic: str, cfg: IngestConfig) -> dict
     }
     if cfg.features:
         details[FEATURES_WEIGHTS_KEY] = cfg.weights or ""
+    if pending is not None and pending.origin:
+        details["argus.kafka.from"] = cfg.start_from or ""
     return details
 
 
@@ -134,8 +138,8 @@ def _ingest_once(
     started: float,
 ) -> IngestReport:
     topic = settings.topic
-    pending = pending_ranges(table, connection, topic)
-    if not pending.ranges:
+    pending = pending_ranges(table, connection, topic, cfg.start_from)
+    if not pending.ranges and not pending.origin:
         return IngestReport(None, 0, 0, {}, time.perf_counter() - started, 0)
     report_lost(topic, pending, strict=cfg.strict)
     ranges = pending.ranges
@@ -182,7 +186,8 @@ def _ingest_once(
             topic,
             lost=pending.lost,
             watermarks=watermarks,
-            details=commit_details(stats, settings.dlq_topic, cfg),
+            details=commit_details(stats, settings.dlq_topic, cfg, pending),
+            first=bool(pending.origin),
         )
     except OffsetConflict:
         table.discard(stats.files)

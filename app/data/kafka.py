@@ -335,6 +335,73 @@ def probe_partitions(
         consumer.close()
 
 
+def offsets_at_time(
+    kafka: KafkaConnection, topic: str, probed: dict[int, PartitionEnds], timestamp_ms: int
+) -> dict[int, int]:
+    """Per partition, the offset of the first record whose Kafka timestamp is at or after
+    `timestamp_ms` (the partition's end when none is), assuming timestamps grow along the log as
+    Kafka's time index does.
+
+    The broker's answer (ListOffsets by time) is a hint that is checked by reading the records
+    around it: the embedded broker answers the log start for every time. Where the check fails,
+    a binary search reads ~log2(n) single records instead."""
+    from confluent_kafka import TopicPartition
+
+    consumer = kafka.consumer()
+    try:
+        hints = consumer.offsets_for_times(
+            [TopicPartition(topic, p, timestamp_ms) for p in probed], timeout=10
+        )
+        hinted = {tp.partition: tp.offset if tp.offset >= 0 else probed[tp.partition].end for tp in hints}
+
+        def first_at(partition: int, offset: int) -> tuple[int, int] | None:
+            """(offset, timestamp) of the first record at or after `offset`; None past the last."""
+            return _first_record(consumer, topic, partition, offset, probed[partition].end)
+
+        starts = {}
+        for p, ends in probed.items():
+            hint = min(max(hinted.get(p, ends.log_start), ends.log_start), ends.end)
+            at_hint = first_at(p, hint)
+            before = first_at(p, hint - 1) if hint > ends.log_start else None
+            if (at_hint is None or at_hint[1] >= timestamp_ms) and (
+                before is None or before[0] >= hint or before[1] < timestamp_ms
+            ):
+                starts[p] = hint
+                continue
+            low, high = ends.log_start, ends.end
+            while low < high:
+                middle = (low + high) // 2
+                found = first_at(p, middle)
+                if found is None or found[1] >= timestamp_ms:
+                    high = middle
+                else:
+                    low = found[0] + 1
+            starts[p] = low
+        return starts
+    finally:
+        consumer.close()
+
+
+def _first_record(consumer, topic: str, partition: int, offset: int, end: int) -> tuple[int, int] | None:
+    from confluent_kafka import KafkaError, TopicPartition
+
+    if offset >= end:
+        return None
+    consumer.assign([TopicPartition(topic, partition, offset)])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        message = consumer.poll(1.0)
+        if message is None:
+            continue
+        if message.error():
+            if message.error().code() == KafkaError._PARTITION_EOF:
+                return None
+            raise RuntimeError(f"reading {topic}[{partition}] at {offset}: {message.error()}")
+        if message.offset() >= offset:
+            return message.offset(), message.timestamp()[1]
+    raise RuntimeError(f"reading {topic}[{partition}] at {offset} timed out")
+
+
 def probe_end_offsets(
     kafka: KafkaConnection, topic: str, partitions: Iterable[int], timeout_s: float = 60.0
 ) -> dict[int, int]:

@@ -9,12 +9,13 @@ orphan removal and one user's erasure, each a catalog commit that carries the Ka
 Every change is one Iceberg commit asserting the branch is still where it was planned (retries
 are off on Argus tables): one that loses the swap re-plans on the new base, so a compaction never
 resurrects a row an erasure deleted, nor drops one a writer added. Files are deleted only once no
-retained snapshot names them; what a pinned reader (a registered version's snapshot, or one newer
-than the expiry age) still uses stays.
+retained snapshot names them; what a pinned reader (a registered version's snapshot, or a running
+`train` or `federate`, which tags the snapshot it reads) still uses stays.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -31,11 +32,22 @@ from pyiceberg.manifest import DataFile
 from pyiceberg.table import FileScanTask, Table, Transaction
 from pyiceberg.table.refs import MAIN_BRANCH
 from pyiceberg.table.snapshots import Snapshot
-from pyiceberg.table.update import AssertRefSnapshotId, RemoveSnapshotsUpdate
+from pyiceberg.table.update import AssertRefSnapshotId, RemoveSnapshotRefUpdate, RemoveSnapshotsUpdate
 
 from app.data.catalog import FORMAT, FORMAT_KEY, dumps
-from app.data.records import dead_letter_folder
-from app.data.table import COMMITTED_KEY, TOPIC_KEY, WATERMARKS_KEY, ImageTable, _committed, _nearest
+from app.data.records import dead_letter_folder, user_digest
+from app.data.table import (
+    COMMITTED_KEY,
+    COMPACTED_KEY,
+    ERASED_PREFIX,
+    READER_PIN_TTL_S,
+    READER_TAG_PREFIX,
+    TOPIC_KEY,
+    WATERMARKS_KEY,
+    ImageTable,
+    _committed,
+    _nearest,
+)
 from app.errors import ConfigError
 from app.storage import Store
 
@@ -97,7 +109,10 @@ class ErasureReport:
 
     def __str__(self) -> str:
         if not self.rows and not self.snapshots_expired:
-            return f"erase: no rows of user {self.user_id!r} in the table; nothing changed"
+            return (
+                f"erase: no rows of user {self.user_id!r} in the table; recorded as erased, so "
+                "redrive leaves their dead letters dead"
+            )
         return (
             f"erase: {self.rows} rows of user {self.user_id!r} deleted "
             f"({self.files_rewritten} files rewritten); "
@@ -114,7 +129,7 @@ class ErasureReport:
         )
         return (
             f"outside the table: {payloads}served traffic logs hold no user ids; the dead-letter "
-            "topic's records stay until its retention deletes them"
+            "topic's records stay until its retention deletes them (redrive leaves them dead)"
         )
 
 
@@ -211,7 +226,7 @@ def compact(
                 f"compaction read {report.rows} rows but wrote {sum(f.record_count for f in written)}"
             )
         txn = table.transaction()
-        summary = {**carried_summary(table, base), "argus.compacted.files": str(len(old))}
+        summary = {**carried_summary(table, base), COMPACTED_KEY: str(len(old))}
         with txn.update_snapshot(snapshot_properties=summary).overwrite() as rewrite:
             for data_file in old:
                 rewrite.delete_data_file(data_file)
@@ -274,15 +289,27 @@ def _delete_files(io: FileIO, paths: Iterable[str]) -> int:
     return deleted
 
 
-def _expire_ids(images: ImageTable, choose: Callable[[Table], set[int]]) -> tuple[list[int], int]:
+def _expire_ids(
+    images: ImageTable, choose: Callable[[Table], set[int]], overrule_readers: bool = False
+) -> tuple[list[int], int]:
     """Expire the snapshots `choose(table)` names (never the current one), in one commit asserting
-    the branch did not move, then delete the files only they needed. Returns (ids, files deleted)."""
+    the branch did not move, then delete the files only they needed. Returns (ids, files deleted).
+    A tag's snapshot stays, but reader tags (`ImageTable.pin`) older than READER_PIN_TTL_S are
+    dropped (their run died), and with `overrule_readers` those on a chosen snapshot too."""
     chosen: dict[str, object] = {}
 
     def change(table: Table, base: Snapshot) -> Transaction | None:
-        # Never a branch's or tag's head (another engine may have tagged one): its ref would dangle.
-        ids = choose(table) - {ref.snapshot_id for ref in table.metadata.refs.values()} - {base.snapshot_id}
-        if not ids:
+        ids = choose(table)
+        readers = {n: ref.snapshot_id for n, ref in table.metadata.refs.items() if _reader_tag_age_s(n) >= 0}
+        dropped = {
+            name
+            for name, snapshot_id in readers.items()
+            if _reader_tag_age_s(name) > READER_PIN_TTL_S or (overrule_readers and snapshot_id in ids)
+        }
+        # Never another ref's head (another engine may have tagged one): its ref would dangle.
+        held = {ref.snapshot_id for name, ref in table.metadata.refs.items() if name not in dropped}
+        ids = ids - held - {base.snapshot_id}
+        if not ids and not dropped:
             return None
         kept = [s for s in table.snapshots() if s.snapshot_id not in ids]
         expired = [s for s in table.snapshots() if s.snapshot_id in ids]
@@ -291,10 +318,10 @@ def _expire_ids(images: ImageTable, choose: Callable[[Table], set[int]]) -> tupl
         txn = table.transaction()
         # PyIceberg's ExpireSnapshots asserts nothing; this removal must not race a compaction that
         # makes a file of an expired snapshot live again.
-        txn._apply(
-            (RemoveSnapshotsUpdate(snapshot_ids=list(ids)),),
-            (AssertRefSnapshotId(snapshot_id=base.snapshot_id, ref=MAIN_BRANCH),),
-        )
+        updates = [RemoveSnapshotRefUpdate(ref_name=name) for name in sorted(dropped)]
+        if ids:
+            updates.append(RemoveSnapshotsUpdate(snapshot_ids=sorted(ids)))
+        txn._apply(tuple(updates), (AssertRefSnapshotId(snapshot_id=base.snapshot_id, ref=MAIN_BRANCH),))
         return txn
 
     committed = _swap(images, "expiry", change)
@@ -303,18 +330,31 @@ def _expire_ids(images: ImageTable, choose: Callable[[Table], set[int]]) -> tupl
     return chosen["ids"], _delete_files(committed.io, chosen["files"])
 
 
-def expire(images: ImageTable, older_than_s: float, keep: Iterable[int] = ()) -> ExpiryReport:
-    """Expire table snapshots older than `older_than_s` but those in `keep` (the ones registered
-    versions name) and the current one, and delete the files no kept snapshot needs."""
+def _reader_tag_age_s(name: str) -> float:
+    """How long ago `ImageTable.pin` set tag `name`; -1 for a ref that is not a reader tag."""
+    stamp = name.removeprefix(READER_TAG_PREFIX).split("-")[0]
+    if not name.startswith(READER_TAG_PREFIX) or not stamp.isdigit():
+        return -1
+    return time.time() - int(stamp) / 1000
+
+
+def expire(
+    images: ImageTable, older_than_s: float, keep: Iterable[int] = (), max_snapshots: int | None = None
+) -> ExpiryReport:
+    """Expire table snapshots older than `older_than_s`, or beyond the newest `max_snapshots`, but
+    those in `keep` (the ones registered versions name), those a running reader pinned
+    (`ImageTable.pin`) and the current one; delete the files no kept snapshot needs.
+
+    The cap is what keeps commits cheap under a busy `watch` (a commit a second): every commit
+    rewrites the table's metadata, which lists every snapshot kept (~0.7 ms a snapshot here)."""
     keep = set(keep)
     cutoff_ms = (time.time() - older_than_s) * 1000
 
     def choose(table: Table) -> set[int]:
-        return {
-            s.snapshot_id
-            for s in table.snapshots()
-            if s.timestamp_ms < cutoff_ms and s.snapshot_id not in keep
-        }
+        newest_first = sorted(table.snapshots(), key=lambda s: s.timestamp_ms, reverse=True)
+        beyond_cap = newest_first[max_snapshots:] if max_snapshots else []
+        old = {s.snapshot_id for s in newest_first if s.timestamp_ms < cutoff_ms}
+        return (old | {s.snapshot_id for s in beyond_cap}) - keep
 
     ids, deleted = _expire_ids(images, choose)
     report = ExpiryReport(ids, deleted)
@@ -348,12 +388,35 @@ def remove_orphans(images: ImageTable, older_than_s: float) -> list[str]:
     return removed
 
 
+def record_erasure(images: ImageTable, user_id: str) -> None:
+    """Record `user_id` as erased in the table's properties (`ERASED_PREFIX` + its `user_digest`,
+    the date as value), so `redrive` leaves the user's dead letters, which Kafka keeps, dead."""
+    key = ERASED_PREFIX + user_digest(user_id)
+    for attempt in range(1, SWAP_ATTEMPTS + 1):
+        txn = images.load().transaction()
+        txn.set_properties({key: datetime.datetime.now(datetime.UTC).date().isoformat()})
+        try:
+            txn.commit_transaction()
+            return
+        except CommitFailedException as exc:
+            log.info(
+                "recording the erasure in %s lost a race (attempt %d): %s", images.identifier, attempt, exc
+            )
+    raise CommitFailedException(f"erasure record: {SWAP_ATTEMPTS} swaps in a row lost to other writers")
+
+
 def erase_user(images: ImageTable, user_id: str) -> ErasureReport:
     """Delete every row of `user_id`: from the current snapshot (files rewritten without them), then
     from history, by expiring every older snapshot that still holds one (a registered version's
-    included: the erasure outranks its lineage) and deleting the files only those needed."""
+    included, and one a running reader pinned: the erasure outranks both) and deleting the files
+    only those needed.
+
+    The user is recorded as erased first (`record_erasure`), before the rows are looked for: a
+    redrive checks for the record as it commits and once more after (`app.data.redrive`), so
+    however the two interleave, none of the user's dead letters stays in the table."""
     report = ErasureReport(user_id)
     match = EqualTo("user_id", user_id)
+    record_erasure(images, user_id)
 
     def change(table: Table, base: Snapshot) -> Transaction | None:
         # Statistics only narrow the files down; each candidate is read to count what it holds.
@@ -385,7 +448,7 @@ def erase_user(images: ImageTable, user_id: str) -> ErasureReport:
                     break
         return ids
 
-    report.snapshots_expired, report.files_deleted = _expire_ids(images, holding)
+    report.snapshots_expired, report.files_deleted = _expire_ids(images, holding, overrule_readers=True)
     left = holding(images.load())
     if left:  # only the current snapshot can be left: a writer committed the user's rows meanwhile
         log.warning(

@@ -9,9 +9,10 @@ unread as lost. Whether it may still commit is the catalog's to decide (`ImageTa
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from app import metrics
+from app.config import start_time_ms
 from app.data import kafka
 from app.data.table import ImageTable
 
@@ -27,16 +28,31 @@ class Pending:
     visible_ends: dict[int, int]
     lost: dict[int, int]
     watermarks: dict[int, int]
+    origin: dict[int, int] = field(default_factory=dict)
+    """A new table's `--from` start of every partition: its first commit records them all, those
+    with nothing to read included, so that no later writer starts one of them at 0."""
 
 
-def pending_ranges(table: ImageTable, connection: kafka.KafkaConnection, topic: str) -> Pending:
+def pending_ranges(
+    table: ImageTable, connection: kafka.KafkaConnection, topic: str, start_from: str | None = None
+) -> Pending:
     """The offsets of `topic` from the table's committed offsets to each partition's proven end
-    (partitions with nothing to read or lose are left out)."""
+    (partitions with nothing to read or lose are left out). A table with no commit yet starts
+    where `start_from` (`--from`) says, or at 0."""
     snapshot_id = table.current_snapshot_id()
     previous = table.committed(snapshot_id) if snapshot_id else {}
     watermarks = table.watermarks(snapshot_id) if snapshot_id else {}
     partitions = kafka.partitions_of(connection, topic)
     probed = kafka.probe_partitions(connection, topic, partitions)
+    if start_from is not None and previous:
+        log.info(
+            "%s has commits: it resumes from them, --from %s is for a new table", table.identifier, start_from
+        )
+    if start_from is not None and not previous:
+        origin = new_table_starts(connection, topic, probed, start_from)
+        log.info("%s is new: reading %s from %s (offsets %s)", table.identifier, topic, start_from, origin)
+        # Offsets before the origin are outside this table by choice, not lost.
+        return replace(plan(origin, probed, {}), origin=origin)
     starts = {p: previous.get(p, 0) for p in partitions}
     behind = {p: (starts[p], probed[p].end) for p in partitions if probed[p].end < starts[p]}
     if behind:
@@ -46,6 +62,17 @@ def pending_ranges(table: ImageTable, connection: kafka.KafkaConnection, topic: 
             "or an older incarnation of the topic; use another --table or --storage"
         )
     return plan(starts, probed, watermarks)
+
+
+def new_table_starts(
+    connection: kafka.KafkaConnection, topic: str, probed: dict[int, kafka.PartitionEnds], start_from: str
+) -> dict[int, int]:
+    """Each partition's first offset for `--from`: its log start for `earliest`, else its first
+    record at or after the time."""
+    timestamp_ms = start_time_ms(start_from)
+    if timestamp_ms is None:
+        return {p: ends.log_start for p, ends in probed.items()}
+    return kafka.offsets_at_time(connection, topic, probed, timestamp_ms)
 
 
 def plan(
@@ -79,5 +106,7 @@ def report_lost(topic: str, pending: Pending, *, strict: bool) -> None:
 
 def commit_ranges(pending: Pending) -> dict[int, tuple[int, int]]:
     """The ranges a commit of `pending` records: each from the committed offset, so the lost span
-    at its start is in it (and in the commit's `lost`)."""
-    return {p: (start - pending.lost.get(p, 0), end) for p, (start, end) in pending.ranges.items()}
+    at its start is in it (and in the commit's `lost`); a new table's `--from` origin of every
+    partition, an empty range where there is nothing to read."""
+    ranges = {p: (start - pending.lost.get(p, 0), end) for p, (start, end) in pending.ranges.items()}
+    return {**{p: (start, start) for p, start in pending.origin.items()}, **ranges}

@@ -150,8 +150,14 @@ def header_fields(
     return fields
 
 
+def user_digest(user_id: str | None) -> str:
+    """A user (a record's key) as 16 hex digits of its SHA-256: how storage paths and the table's
+    erasure records (`app.data.table.ERASED_PREFIX`) name a user without showing the id."""
+    return hashlib.sha256((user_id or "").encode()).hexdigest()[:16]
+
+
 def dead_letter_folder(user_id: str | None) -> str:
     """The folder under `<storage>/dlq/<topic>/` that holds a user's dead-letter payloads (those
     too large for the DLQ topic): named by a digest of the record's key, so `argus erase --user`
     finds them without Kafka and the path shows no user id."""
-    return "user-" + hashlib.sha256((user_id or "").encode()).hexdigest()[:16]
+    return "user-" + user_digest(user_id)

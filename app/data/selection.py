@@ -4,14 +4,19 @@
     read = select(table, image_size=64, snapshot_id=read.snapshot_id)  # the same rows, later
     ray.data.read_parquet(list(read.files), columns=[...])
 
-A reader records `read.lineage()` (table, snapshot id, Kafka offsets) with what it produces; the
-files of a snapshot a registered version names are kept by expiry (`app.data.maintenance`).
+A reader records `read.lineage()` (table, snapshot id, Kafka offsets) with what it produces. Expiry
+(`app.data.maintenance`) keeps the files of a snapshot a registered version names, and of one a run
+holds with `pinned_read` (a tag on the snapshot while the run reads it):
+
+    with pinned_read(settings, snapshot_id=None) as (table, read):   # train and federate
+        ...
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +26,9 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from app.config import Settings
 from app.data.table import FEATURES_WEIGHTS_KEY, ImageTable
+from app.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -151,3 +158,20 @@ def hwc_bytes(images: np.ndarray) -> list[bytes]:
 def label_filter(classes: Sequence[str]) -> pc.Expression:
     """Rows labelled with one of `classes`."""
     return pc.field("label").isin(list(classes))
+
+
+@contextlib.contextmanager
+def pinned_read(settings: Settings, snapshot_id: int | None) -> Iterator[tuple[ImageTable, TableRead]]:
+    """The table of `settings` and its snapshot `snapshot_id` (default: the current one) as a
+    reader at `settings.image_size` uses it, held against expiry while the block runs
+    (`ImageTable.pin`); ConfigError (exit 2) when there is no such table or snapshot, or no rows
+    to learn from."""
+    table = ImageTable.at(settings.storage, settings.catalog, settings.table, create=False)
+    with table.pin(snapshot_id) as pinned:
+        try:
+            read = select(table, settings.image_size, pinned)
+        except UnsafeDataFile:  # storage's bytes, not the arguments: a failed run
+            raise
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        yield table, read

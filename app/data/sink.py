@@ -71,6 +71,7 @@ def _dead_letter(row: dict, target: SinkTarget) -> tuple[bytes, list[tuple[str, 
         ("source_topic", target.topic.encode()),
         ("source_partition", str(row["partition"]).encode()),
         ("source_offset", str(row["offset"]).encode()),
+        ("source_timestamp", str(row["kafka_timestamp"]).encode()),  # for `redrive`'s rebuilt row
     ]
     value = row["value"]
     size = len(value) + len((row["key"] or "").encode()) + sum(len(k) + len(v) for k, v in headers)
@@ -139,6 +140,7 @@ def write_blocks(blocks, target: SinkTarget) -> WriteStats:
                 columns = [
                     "partition",
                     "offset",
+                    "kafka_timestamp",
                     "key",
                     "value",
                     "label",

@@ -16,9 +16,12 @@ on the table it is committed on, which the catalog swaps in only if no other com
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Iterable
+import time
+import uuid
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -57,6 +60,19 @@ FEATURES_WEIGHTS_KEY = "argus.features.weights"
 """The backbone weights file that computed the `features` column ("" for the seeded random one):
 a head trained on the features must sit on the same backbone when it serves images."""
 DETAILS_PREFIX = "argus."
+ORIGIN_KEY = "argus.kafka.origin"
+"""A table property, JSON {partition: first offset}, of a table `ingest --from` started above offset 0:
+offsets below are outside it (`redrive` leaves them out). Absent: the table starts at 0."""
+READER_TAG_PREFIX = "argus-reader-"
+"""Tags `ImageTable.pin` sets on the snapshot a run reads: expiry keeps their snapshots."""
+READER_PIN_TTL_S = 3 * 86_400
+"""A reader tag this old belongs to a run that died without removing it: expiry drops it."""
+COMPACTED_KEY = "argus.compacted.files"
+"""A compaction's summary: how many files it rewrote (it adds and removes no record)."""
+ERASED_PREFIX = "argus.erased."
+"""A table property per erased user, `argus.erased.<user_digest(user)>` = the erasure's date (UTC,
+ISO): `argus erase` cannot delete the user's dead letters from the Kafka DLQ topic, so `redrive`
+reads these (`erased_users`) and leaves them dead."""
 
 COMMIT_ATTEMPTS = 5
 """Catalog swaps one commit tries before giving up: a swap lost to a commit that left this one's
@@ -114,7 +130,7 @@ class ImageTable:
         if lost:
             # PyIceberg reads the retry count from the table it commits (Transaction.commit_transaction):
             # whoever set it back, it is off again before this handle's commits use the table.
-            log.warning("table %s: setting %s again (Argus re-plans, never retries)", self.identifier, lost)
+            log.warning("table %s: setting %s again (every Argus table has them)", self.identifier, lost)
             with table.transaction() as txn:
                 txn.set_properties(lost)
             table = self.catalog.load_table(self.identifier)
@@ -204,6 +220,50 @@ class ImageTable:
             except FileNotFoundError:
                 pass
 
+    @contextlib.contextmanager
+    def pin(self, snapshot_id: int | None = None) -> Iterator[int | None]:
+        """Hold `snapshot_id` (default: the current one, None before any commit) for a reader's
+        run: an Iceberg tag `argus-reader-<ms>-<id>` on it, which expiry keeps until the reader
+        removes it here or READER_PIN_TTL_S has passed (a reader that died). Yields the id."""
+        name = f"{READER_TAG_PREFIX}{int(time.time() * 1000)}-{uuid.uuid4().hex[:8]}"
+        pinned = self._set_tag(name, snapshot_id)
+        try:
+            yield pinned
+        finally:
+            if pinned is not None:
+                try:
+                    self._set_tag(name, None, remove=True)
+                except Exception as exc:  # the run's outcome stands; expiry drops the tag later
+                    log.warning(
+                        "table %s: reader tag %s stays until it ages out: %s", self.identifier, name, exc
+                    )
+
+    def _set_tag(self, name: str, snapshot_id: int | None, remove: bool = False) -> int | None:
+        """Create (or remove) tag `name`, again while other writers' commits win the catalog's
+        swap; the tag lands only on a table that still has the snapshot (ConfigError if not)."""
+        for _ in range(COMMIT_ATTEMPTS):
+            table = self.load()
+            target = None
+            if remove and name not in table.metadata.refs:
+                return None  # dropped by expiry (aged out) or by an erasure
+            if not remove:
+                current = table.current_snapshot()
+                target = snapshot_id if snapshot_id is not None else current and current.snapshot_id
+                if target is None:
+                    return None
+                if table.snapshot_by_id(target) is None:
+                    raise ConfigError(f"table {self.identifier} has no snapshot {target} (expired?)")
+            try:
+                with table.manage_snapshots() as manage:
+                    if remove:
+                        manage.remove_tag(name)
+                    else:
+                        manage.create_tag(target, name)
+                return target
+            except CommitFailedException:
+                continue
+        raise OffsetConflict(f"table {self.identifier}: tag {name} lost {COMMIT_ATTEMPTS} swaps in a row")
+
     def commit_files(
         self,
         files: list[DataFile],
@@ -214,17 +274,20 @@ class ImageTable:
         lost: dict[int, int] | None = None,
         watermarks: dict[int, int] | None = None,
         details: dict[str, str] | None = None,
+        first: bool = False,
     ) -> int:
         """Commit data files from `write_files` as `commit` commits rows (the caller has proved
         every offset of `ranges` once in them or in the dead letters). `watermarks` raise the
-        table's event-time watermarks; `details` (keys `argus.*`) go into the summary as they are."""
+        table's event-time watermarks; `details` (keys `argus.*`) go into the summary as they are.
+        `first`: the caller planned from a table with no commit (`--from`), so its ranges may start
+        anywhere, and it commits only if the table still has none."""
         lost = lost or {}
         _check_counts(sum(f.record_count for f in files), ranges, dlq_records, lost)
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
             table = self.load()
             base = table.current_snapshot()
             committed = _committed(table, base)
-            self._check_base(table, base, committed, ranges, topic)
+            self._check_base(table, base, committed, ranges, topic, first)
             summary = {
                 **{k: v for k, v in (details or {}).items() if k.startswith(DETAILS_PREFIX)},
                 FORMAT_KEY: str(FORMAT),
@@ -241,6 +304,8 @@ class ImageTable:
             if lost:
                 summary[LOST_KEY] = dumps({p: [ranges[p][0], ranges[p][0] + n] for p, n in lost.items() if n})
             txn = table.transaction()
+            if first:  # in the same swap: the table's start outlives its first snapshot's expiry
+                txn.set_properties({ORIGIN_KEY: dumps({p: start for p, (start, _) in ranges.items()})})
             with txn.update_snapshot(snapshot_properties=summary).fast_append() as append:
                 for data_file in files:
                     append.append_data_file(data_file)
@@ -258,13 +323,26 @@ class ImageTable:
         )
 
     def _check_base(
-        self, table: Table, base: Snapshot | None, committed: dict[int, int], ranges: Ranges, topic: str
+        self,
+        table: Table,
+        base: Snapshot | None,
+        committed: dict[int, int],
+        ranges: Ranges,
+        topic: str,
+        first: bool,
     ) -> None:
         previous = _nearest(table, base, TOPIC_KEY)
         if previous is not None and previous != topic:
             raise ConfigError(
                 f"table {self.identifier} holds topic {previous!r}, not {topic!r}: --table names another"
             )
+        if first and committed:
+            raise OffsetConflict(
+                f"table {self.identifier} got its first commit from another writer since this one "
+                "planned; nothing committed, plan again"
+            )
+        if first:
+            return
         moved = {
             p: (start, committed.get(p, 0))
             for p, (start, _) in ranges.items()
@@ -276,6 +354,86 @@ class ImageTable:
                 f"table {self.identifier} moved since this writer planned ({where}); "
                 "nothing committed, plan again"
             )
+
+    def commit_redrive(
+        self,
+        files: list[DataFile],
+        topic: str,
+        planned_from: int,
+        offsets: dict[int, set[int]],
+        users: set[str],
+        details: dict[str, str],
+    ) -> int:
+        """Append data files of records below the committed offsets (`app.data.redrive`'s dead
+        letters, at `offsets` {partition: offsets}, of the users whose `user_digest`s are `users`),
+        carrying the committed offsets, watermarks and topic forward unchanged; `details` (keys
+        `argus.*`) go into the summary. Returns the new snapshot's id.
+
+        The caller proved `offsets` absent from snapshot `planned_from`. A commit since then that
+        cannot have added them (an ingest of other offsets, a compaction) leaves that proof
+        standing, so the append goes onto it; any other (another redrive, an erasure, another
+        engine's), an erasure recorded for one of `users`, or `planned_from` gone from the history
+        raises OffsetConflict: nothing committed, plan again."""
+        from app.data.maintenance import carried_summary  # maintenance builds on this module
+
+        for attempt in range(1, COMMIT_ATTEMPTS + 1):
+            table = self.load()
+            base = table.current_snapshot()
+            previous = _nearest(table, base, TOPIC_KEY)
+            if previous is not None and previous != topic:
+                raise ConfigError(
+                    f"table {self.identifier} holds topic {previous!r}, not {topic!r}: --table names another"
+                )
+            moved = _moved_under_redrive(table, base, planned_from, offsets, users)
+            if moved:
+                raise OffsetConflict(f"table {self.identifier}: {moved}; nothing committed, plan again")
+            summary = {
+                **{k: v for k, v in details.items() if k.startswith(DETAILS_PREFIX)},
+                **carried_summary(table, base),
+            }
+            txn = table.transaction()
+            with txn.update_snapshot(snapshot_properties=summary).fast_append() as append:
+                for data_file in files:
+                    append.append_data_file(data_file)
+            try:
+                txn.commit_transaction()  # asserts the branch is still at `base`
+            except CommitFailedException as exc:
+                log.info("redrive commit to %s lost a race (attempt %d): %s", self.identifier, attempt, exc)
+                continue
+            return append.snapshot_id
+        raise OffsetConflict(
+            f"table {self.identifier}: {COMMIT_ATTEMPTS} redrive commits in a row lost to other writers; "
+            "nothing committed"
+        )
+
+
+def erased_users(table: Table) -> set[str]:
+    """The `user_digest`s of the users `argus erase` erased from `table` (ERASED_PREFIX)."""
+    return {k.removeprefix(ERASED_PREFIX) for k in table.properties if k.startswith(ERASED_PREFIX)}
+
+
+def _moved_under_redrive(
+    table: Table, base: Snapshot | None, planned_from: int, offsets: dict[int, set[int]], users: set[str]
+) -> str | None:
+    """Why a redrive planned from `planned_from` may not commit onto `base`; None when it may."""
+    erased = erased_users(table) & users
+    if erased:
+        return f"{len(erased)} of the redriven records' users were erased since it planned"
+    for snapshot in ancestors_of(base, table.metadata):
+        if snapshot.snapshot_id == planned_from:
+            return None
+        summary = snapshot.summary.additional_properties if snapshot.summary else {}
+        if COMPACTED_KEY in summary:
+            continue
+        if RANGES_KEY not in summary:
+            return (
+                f"snapshot {snapshot.snapshot_id} since it planned is neither an ingest nor a "
+                "compaction (another redrive, an erasure, another engine's commit)"
+            )
+        for p, (start, end) in json.loads(summary[RANGES_KEY]).items():
+            if any(start <= o < end for o in offsets.get(int(p), ())):
+                return f"snapshot {snapshot.snapshot_id} added offsets of partition {p} that it holds"
+    return f"snapshot {planned_from}, which it planned from, is no longer in the table's history"
 
 
 def conform(rows: pa.Table, schema: pa.Schema) -> pa.Table:
@@ -333,6 +491,12 @@ def _nearest(table: Table, snapshot: Snapshot | None, key: str) -> str | None:
         if ancestor.summary is not None and key in ancestor.summary.additional_properties:
             return ancestor.summary.additional_properties[key]
     return None
+
+
+def origin(table: Table) -> dict[int, int]:
+    """Where the table begins each partition ({} where it begins at 0): see ORIGIN_KEY."""
+    raw = table.properties.get(ORIGIN_KEY)
+    return {int(p): int(start) for p, start in json.loads(raw).items()} if raw else {}
 
 
 def _committed(table: Table, snapshot: Snapshot | None) -> dict[int, int]:

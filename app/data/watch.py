@@ -67,6 +67,10 @@ class WatchConfig:
     this watch (run by another, or not at all)."""
     expire_after_s: float = 7 * DAY_S
     """Table snapshots older than this expire, but those registered model versions name."""
+    keep_snapshots: int = 20
+    """At most this many of the newest table snapshots stay, besides those registered versions name
+    and those a running `train` or `federate` reads: each commit rewrites metadata that lists them
+    all, so at a commit a second an uncapped week would make every commit take minutes."""
     orphan_after_s: float = 3 * DAY_S
     """Files under the table no snapshot names are deleted once this old (at least an hour: a
     writer's files are nameless until it commits)."""
@@ -83,8 +87,10 @@ class WatchConfig:
             )
         if self.max_ticks is not None and self.max_ticks < 1:
             raise ConfigError("--max-ticks must be >= 1")
-        if self.compact_interval_s < 0 or self.expire_after_s <= 0:
-            raise ConfigError("--compact-interval-s must be >= 0 and --expire-after-s > 0")
+        if self.compact_interval_s < 0 or self.expire_after_s <= 0 or self.keep_snapshots < 1:
+            raise ConfigError(
+                "--compact-interval-s must be >= 0, --expire-after-s > 0 and --keep-snapshots >= 1"
+            )
         if self.orphan_after_s < MIN_ORPHAN_AGE_S:
             raise ConfigError(
                 f"--orphan-after-s must be >= {MIN_ORPHAN_AGE_S:.0f}: younger files may be a "
@@ -134,7 +140,8 @@ def _registry_pins(settings: Settings) -> Callable[[], set[int]]:
 class Upkeep:
     """The table's upkeep every `compact_interval_s` (jittered, so watches do not run it in step),
     in a thread beside the watch's pipeline: compaction of small files per event date, expiry of
-    snapshots older than `expire_after_s` but those registered versions name (`pinned`), and
+    snapshots older than `expire_after_s` or beyond the newest `keep_snapshots`, but those
+    registered versions name (`pinned`) and those running readers tagged, and
     removal of orphan files. Every step is one catalog commit that re-plans when it loses a race,
     so several watches may run it at once. A failed upkeep is retried with backoff
     (`app.retry.Backoff`) and, after STUCK_AFTER failures in a row, reported stuck;
@@ -178,7 +185,12 @@ class Upkeep:
             )
         else:
             try:
-                expire(self.table, older_than_s=self.cfg.expire_after_s, keep=keep)
+                expire(
+                    self.table,
+                    older_than_s=self.cfg.expire_after_s,
+                    keep=keep,
+                    max_snapshots=self.cfg.keep_snapshots,
+                )
             except Exception as exc:
                 failed["expiry"] = exc
         try:

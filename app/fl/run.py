@@ -21,7 +21,7 @@ from app import model as core
 from app import registry
 from app.cluster import ray_session
 from app.config import Settings
-from app.data.selection import TableRead, UnsafeDataFile, read_rows, select
+from app.data.selection import TableRead, pinned_read, read_rows
 from app.data.table import ImageTable
 from app.errors import ConfigError
 from app.fl.checkpoint import load_checkpoint
@@ -123,13 +123,19 @@ def federate(
         from app.fl.deployment import federate_on_devices
 
         return federate_on_devices(settings, cfg)
-    table = ImageTable.at(settings.storage, settings.catalog, settings.table, create=False)
-    try:
-        read = select(table, settings.image_size, cfg.snapshots)
-    except UnsafeDataFile:  # storage's bytes, not the arguments: a failed run
-        raise
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    with pinned_read(settings, cfg.snapshots) as (table, read):
+        return _federate_on(settings, cfg, table, read, before_promotion, grid)
+
+
+def _federate_on(
+    settings: Settings,
+    cfg: FederateConfig,
+    table: ImageTable,
+    read: TableRead,
+    before_promotion: Callable[[], None] | None,
+    grid: Grid | None,
+) -> FederateReport:
+    on_devices = cfg.engine == "deployment"
     if read.image_size != settings.image_size:  # clients train on the stored pixels as they are
         raise ConfigError(
             f"table snapshot {read.snapshot_id} holds images of another size than --image-size "

@@ -28,7 +28,7 @@ from torch import nn
 from app import model as core
 from app import registry
 from app.config import Settings, TrainConfig
-from app.data.selection import TableRead, UnsafeDataFile, select
+from app.data.selection import TableRead, pinned_read
 from app.data.table import ImageTable
 from app.errors import ConfigError
 from app.selection import Verdict, promote_if_better
@@ -52,25 +52,16 @@ class TrainReport:
     """The test-slice comparison with the champion, when `--promote-if-better` asked for it."""
 
 
-def pinned_read(settings: Settings, snapshot_id: int | None) -> tuple[ImageTable, TableRead]:
-    """The table of `settings` and its snapshot `snapshot_id` (default: the current one) as a
-    reader at `settings.image_size` uses it; ConfigError (exit 2) when there is no such table or
-    snapshot, or no rows to learn from."""
-    table = ImageTable.at(settings.storage, settings.catalog, settings.table, create=False)
-    try:
-        return table, select(table, settings.image_size, snapshot_id)
-    except UnsafeDataFile:  # storage's bytes, not the arguments: a failed run
-        raise
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
 def train(settings: Settings, cfg: TrainConfig) -> TrainReport:
     """`python -m app train`: fit on one table snapshot, log to MLflow, register the best epoch's model."""
+    with pinned_read(settings, cfg.snapshots) as (table, read):
+        return _train_on(settings, cfg, table, read)
+
+
+def _train_on(settings: Settings, cfg: TrainConfig, table: ImageTable, read: TableRead) -> TrainReport:
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    table, read = pinned_read(settings, cfg.snapshots)
     classes = read.classes(settings.classes)
     if len(classes) < 2:
         raise ConfigError(

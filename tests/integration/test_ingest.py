@@ -21,6 +21,7 @@ from PIL import Image
 from app.config import IngestConfig, ProduceConfig
 from app.data import synth
 from app.data.ingest import ingest
+from app.data.kafka import partitions_of
 from app.data.produce import produce
 from app.data.records import SCHEMA_VERSION, dead_letter_folder, record_headers
 from app.data.selection import chw_images
@@ -333,6 +334,61 @@ def test_two_ingests_started_together_commit_every_offset_once(settings, ray_clu
     rows = snapshot_rows(settings)
     assert sorted(coordinates_of(rows)) == sorted(coordinates)
     assert len(table_of(settings).load().snapshots()) == 1
+
+
+def test_a_second_table_from_a_time_holds_the_later_offsets_once_at_its_own_size(settings, ray_cluster):
+    """`ingest --table OTHER --from TIME` beside the default table: the new table starts each
+    partition at its first record at or after TIME (found by reading around the broker's answer,
+    which the embedded broker gets wrong), at its own image size, once; its first commit records
+    every partition, so later runs resume there and `--from` no longer matters."""
+    import dataclasses
+    import datetime
+    import time
+
+    now_ms = int(time.time() * 1000)
+    producer = settings.kafka_connection().producer(linger_ms=50)
+    sent = []
+    for i, (key, value, label, event_time) in enumerate(valid_records(30, seed=8)):
+        kafka_time = now_ms - 2 * 3600 * 1000 if i < 12 else now_ms  # the first 12, two hours ago
+        headers = record_headers(label, event_time, "dev-1")
+        sent.append(
+            producer.send(
+                settings.topic, key=key.encode(), value=value, headers=headers, timestamp_ms=kafka_time
+            )
+        )
+    producer.flush()
+    producer.close()
+    coordinates = [(f.get().partition, f.get().offset) for f in sent]
+    old, recent = set(coordinates[:12]), set(coordinates[12:])
+    first = ingest(settings, IngestConfig(), settings.kafka_connection())
+    assert first.records == 30
+
+    other = dataclasses.replace(settings, table="argus.images_48", image_size=48)
+    an_hour_ago = datetime.datetime.fromtimestamp(now_ms / 1000 - 3600, datetime.UTC).isoformat()
+    cfg = IngestConfig(start_from=an_hour_ago)
+    second = ingest(other, cfg, other.kafka_connection())
+    rows = snapshot_rows(other, second.snapshot_id)
+    assert sorted(coordinates_of(rows)) == sorted(recent)
+    assert {(r["height"], r["width"]) for r in rows} == {(48, 48)}
+    committed = summary(other, second.snapshot_id)
+    assert committed["argus.kafka.from"] == an_hour_ago
+    # Every partition is committed, at its end: those that hold only old records too.
+    ends = {p: 0 for p in partitions_of(settings.kafka_connection(), settings.topic)}
+    ends.update({p: max(o for q, o in coordinates if q == p) + 1 for p, _ in coordinates})
+    assert json.loads(committed["argus.kafka.committed"]) == {str(p): end for p, end in ends.items()}
+    assert str(ingest(other, cfg, other.kafka_connection())).startswith("nothing new")
+
+    more = send(settings, valid_records(5, seed=9))
+    resumed = ingest(other, IngestConfig(start_from="earliest"), other.kafka_connection())
+    assert sorted(coordinates_of(snapshot_rows(other))) == sorted(recent | set(more))
+    assert resumed.records == 5
+    assert sorted(coordinates_of(snapshot_rows(settings))) == sorted(
+        old | recent
+    )  # the first table as it was
+
+    earliest = dataclasses.replace(settings, table="argus.images_all")
+    ingest(earliest, IngestConfig(start_from="earliest"), earliest.kafka_connection())
+    assert sorted(coordinates_of(snapshot_rows(earliest))) == sorted(old | recent | set(more))
 
 
 def test_transaction_markers_and_aborted_records_are_skipped_offsets_not_a_failure(settings, ray_cluster):

@@ -35,6 +35,7 @@ def test_help_lists_every_contract_command(cli):
         (["produce"], "exactly one of --synthetic N or --from-dir DIR"),
         (["serve", "--http-port", "70000"], "--http-port must be in 1..65535"),
         (["ingest", "--image-size", "2"], "--image-size must be in 8..1024"),
+        (["ingest", "--from", "yesterday"], "--from must be earliest, an ISO 8601 time or epoch ms"),
         # Credentials come from the environment: a URI ends up in logs, tags and job entrypoints.
         (["train", "--mlflow-uri", "http://argus:s3cret@mlflow:5000"], "--mlflow-uri carries a password"),
         (["ingest", "--storage", "s3://AKIA:s3cret@argus-data"], "--storage carries a password"),

@@ -38,6 +38,7 @@ SPECIAL = {
     "superlink": ("127.0.0.2:7", "127.0.0.2:7"),
     "update_dtype": ("fp32", "fp32"),
     "table": ("lake.images", "lake.images"),
+    "start_from": ("2026-12-01T00:00:00Z", "2026-12-01T00:00:00Z"),
 }
 # Flags only valid together with another, or instead of the baseline.
 DEPLOYMENT = ["--engine", "deployment", "--superlink", "127.0.0.1:9", "--root-certificates", "ca.pem"]

@@ -17,7 +17,7 @@ import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
 from app.data.catalog import catalog_uri, warehouse_uri
-from app.data.table import ImageTable, OffsetConflict, conform, pixels
+from app.data.table import ImageTable, OffsetConflict, conform, origin, pixels
 from app.errors import ConfigError
 
 from tables import TOPIC, batch, check_one_winner, coordinates, pyiceberg_alone, race, race_in_processes
@@ -106,6 +106,25 @@ def test_a_writer_planned_from_an_old_base_gets_the_conflict_and_leaves_no_files
     assert {u.removeprefix("file://") for u in second.data_file_uris(second.current_snapshot_id())} == (
         data_files_on_disk(tmp_path)
     )
+
+
+def test_a_first_commit_may_start_anywhere_but_only_while_the_table_has_none(tmp_path):
+    """`ingest --from`: a new table's first commit starts each partition where its writer chose
+    (what lies below is outside the table, not missing); once any commit landed, that plan is stale."""
+    table = ImageTable.at(str(tmp_path))
+    with pytest.raises(OffsetConflict, match="p0: planned from 10, table at 0"):
+        table.commit(batch(0, range(10, 14), "unplanned"), {0: (10, 14)}, 0, TOPIC)
+    files = table.write_files(batch(0, range(10, 14), "from"))
+    table.commit_files(files, {0: (10, 14), 1: (7, 7)}, 0, TOPIC, first=True)
+    assert table.committed() == {0: 14, 1: 7}
+    # A table property, not only the first snapshot's summary: it outlives that snapshot's expiry.
+    assert origin(table.load()) == {0: 10, 1: 7}
+    stale = table.write_files(batch(0, range(10, 14), "stale"))
+    with pytest.raises(OffsetConflict, match="got its first commit from another writer"):
+        table.commit_files(stale, {0: (10, 14)}, 0, TOPIC, first=True)
+    assert set(table.scan(table.current_snapshot_id()).column("user_id").to_pylist()) == {
+        f"from:0:{o}" for o in range(10, 14)
+    }
 
 
 def _paused_in_the_catalog_swap(table: ImageTable) -> tuple[threading.Event, threading.Event]:

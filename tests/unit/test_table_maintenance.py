@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
 from app.data.catalog import METADATA_VERSIONS_KEPT
 from app.data.maintenance import compact, expire, remove_orphans
 from app.data.records import dead_letter_folder
 from app.data.table import ImageTable
+from app.errors import ConfigError
 
 from tables import TOPIC, batch, coordinates, long_history, pyiceberg_alone
 
@@ -120,6 +122,48 @@ def test_expiry_keeps_pinned_and_current_snapshots_and_deletes_only_files_nobody
     assert lists == kept
 
 
+def test_a_snapshot_cap_bounds_history_but_spares_a_running_readers_snapshot_until_it_lets_go(tmp_path):
+    """A busy `watch` commits about once a second and every commit rewrites metadata that lists
+    every kept snapshot: the cap keeps that list short. A `train` or `federate` in flight holds its
+    snapshot with a tag (`ImageTable.pin`), so its files survive compaction and expiry both."""
+    table = ImageTable.at(str(tmp_path))
+    ids = commit_in_small_parts(table, 12)
+    with table.pin(ids[2]) as held:
+        assert held == ids[2]
+        rows = table.scan(ids[2])
+        compacted = compact(table, target_file_bytes=1 << 20).snapshot_id
+        report = expire(table, older_than_s=3600, max_snapshots=3)  # none is an hour old: the cap decides
+        kept = {s.snapshot_id for s in pyiceberg_alone(tmp_path).snapshots()}
+        assert kept == {ids[10], ids[11], compacted, ids[2]} and sorted(report.snapshots) == sorted(
+            set(ids) - kept
+        )
+        assert table.scan(ids[2]).equals(rows)  # the reader's files, compacted away since, are there
+        assert parquet_on_disk(tmp_path) == needed_by_snapshots(tmp_path)
+    assert set(pyiceberg_alone(tmp_path).refs()) == {"main"}  # the reader let go
+    expire(table, older_than_s=3600, max_snapshots=3)
+    assert ids[2] not in {s.snapshot_id for s in pyiceberg_alone(tmp_path).snapshots()}
+    assert coordinates(table.scan(table.current_snapshot_id())) == [(0, o) for o in range(24)]
+
+
+def test_a_reader_tag_left_by_a_run_that_died_ages_out_and_a_snapshot_that_is_gone_cannot_be_pinned(
+    tmp_path, monkeypatch
+):
+    import app.data.maintenance
+
+    table = ImageTable.at(str(tmp_path))
+    ids = commit_in_small_parts(table, 4)
+    died = table.pin(ids[0])
+    died.__enter__()  # never left: the run died
+    expire(table, older_than_s=3600, max_snapshots=1)
+    assert ids[0] in {s.snapshot_id for s in pyiceberg_alone(tmp_path).snapshots()}
+    monkeypatch.setattr(app.data.maintenance, "READER_PIN_TTL_S", 0.0)
+    expire(table, older_than_s=3600, max_snapshots=1)
+    assert {s.snapshot_id for s in pyiceberg_alone(tmp_path).snapshots()} == {ids[3]}
+    assert set(pyiceberg_alone(tmp_path).refs()) == {"main"}
+    with pytest.raises(ConfigError, match=f"has no snapshot {ids[0]}"), table.pin(ids[0]):
+        pass
+
+
 def test_metadata_files_stay_bounded_however_many_commits(tmp_path):
     table = ImageTable.at(str(tmp_path))
     commit_in_small_parts(table, METADATA_VERSIONS_KEPT + 10, per_part=1)
@@ -208,6 +252,58 @@ def test_erase_where_there_is_no_table_refuses_and_creates_nothing(tmp_path, cli
     assert refused.returncode == 2 and "no table argus.other" in refused.stderr, refused.stderr
     plain = SqlCatalog("argus", uri=f"sqlite:///{tmp_path / 'catalog.db'}", warehouse=f"file://{tmp_path}")
     assert not plain.table_exists("argus.other")
+
+
+def test_an_erasure_is_recorded_so_that_redrive_leaves_the_users_dead_letters_dead(tmp_path):
+    """Kafka keeps the DLQ topic's records, so `erase` records each user it erased in the table's
+    properties (by digest, as the payload folders name them: no user id in the metadata) and redrive
+    leaves their dead letters dead, whether the user had rows or only dead letters, and also when
+    the erasure lands between a redrive's plan and its commit."""
+    import datetime
+
+    import pytest
+
+    from app.data.maintenance import erase_user
+    from app.data.records import record_headers, user_digest
+    from app.data.redrive import DeadLetter, RedriveReport, _triage
+    from app.data.table import OffsetConflict, erased_users
+
+    table = ImageTable.at(str(tmp_path))
+    table.commit(with_users(batch(0, range(4)), ["alice", "bob", "alice", "bob"]), {0: (0, 7)}, 3, TOPIC)
+    erase_user(table, "alice")
+    erase_user(table, "carol")  # no rows, only dead letters: recorded all the same
+    today = datetime.datetime.now(datetime.UTC).date().isoformat()
+    properties = pyiceberg_alone(tmp_path).properties
+    assert {k: v for k, v in properties.items() if k.startswith("argus.erased.")} == {
+        f"argus.erased.{user_digest('alice')}": today,
+        f"argus.erased.{user_digest('carol')}": today,
+    }
+    assert not any("alice" in k or "alice" in v for k, v in properties.items())
+    assert table.committed() == {0: 7}
+
+    def dead_letter(user: str, offset: int, label: str | None = "tap") -> DeadLetter:
+        headers = record_headers(label, 1_767_225_600_000, None) + [
+            ("error_reason", b"unknown_label"),
+            ("source_topic", TOPIC.encode()),
+            ("source_partition", b"0"),
+            ("source_offset", str(offset).encode()),
+        ]
+        return DeadLetter(user.encode(), b"image bytes", dict(headers), 0)
+
+    letters = [dead_letter("alice", 4), dead_letter("bob", 5, label=None), dead_letter("carol", 6)]
+    report = RedriveReport("dlq", read=3)
+    candidates = _triage(letters, TOPIC, table.committed(), {}, erased_users(table.load()), report)
+    assert [(c.letter.user, c.coordinates, c.row["label"]) for c in candidates] == [("bob", (0, 5), None)]
+    assert report.stayed_dead == {"erased": 2}
+
+    # Planned before dave's erasure, committed after it: refused (the redrive plans again).
+    planned = table.current_snapshot_id()
+    files = table.write_files(with_users(batch(0, [5]), ["dave"]))
+    erase_user(table, "dave")  # no rows: only the property changes, no snapshot
+    assert table.current_snapshot_id() == planned
+    with pytest.raises(OffsetConflict, match="erased"):
+        table.commit_redrive(files, TOPIC, planned, {0: {5}}, {user_digest("dave")}, {})
+    assert table.current_snapshot_id() == planned
 
 
 def test_a_10000_commit_history_plans_commits_and_shrinks_to_what_is_pinned(tmp_path):

@@ -1,0 +1,487 @@
+"""Redrive: the dead letters whose failure no longer applies, into the table, exactly once.
+
+    python -m app redrive --classes normal,phishing_page,ransom_note   # after adding a class
+
+Reads the dead-letter topic on the driver (dead letters are few) from each partition's log start to
+its proven end, rebuilds the record each dead letter stands for (key, value or its stored payload,
+the CONTRACT.md §1 headers, source coordinates) and cleans the ones that may pass now with ingest's
+own preprocessing and flags (`--classes`, `--image-size`, `--max-record-bytes`, ...). A record goes
+in only once: duplicate dead letters count once, offsets at or beyond the table's committed offset
+belong to an ingest that has not committed yet, offsets below where a table made by `ingest --from`
+begins were never its own, and offsets already rows of the snapshot this run planned from are left
+alone; the commit lands only on that snapshot or on commits that cannot hold its offsets
+(`ImageTable.commit_redrive`), else it plans again. Nothing is republished: what stays dead is
+counted by reason, and an erased user's dead letters stay dead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import logging
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyiceberg.exceptions import CommitStateUnknownException
+from pyiceberg.expressions import And, EqualTo, In, Or
+from pyiceberg.manifest import DataFile
+
+from app.config import IngestConfig, Settings
+from app.data import kafka
+from app.data.catalog import dumps
+from app.data.ingest import open_table
+from app.data.maintenance import erase_user
+from app.data.preprocess import preprocess_batches
+from app.data.records import dead_letter_folder, header_fields, message_headers, user_digest
+from app.data.sink import table_rows
+from app.data.table import (
+    FEATURES_WEIGHTS_KEY,
+    TOPIC_KEY,
+    ImageTable,
+    OffsetConflict,
+    erased_users,
+    origin,
+)
+from app.errors import ConfigError, Reason
+from app.storage import Store, sha256
+
+log = logging.getLogger(__name__)
+
+PLAN_ATTEMPTS = 5
+"""Times a redrive plans again after a commit it cannot go past (another redrive, an erasure)."""
+READ_TIMEOUT_S = 120.0
+"""Longest the read of the dead-letter topic may take before the redrive fails."""
+WRITE_BYTES = 128 * 1024 * 1024
+"""Rows gathered on the driver before they are written as data files."""
+
+RECORDS_KEY = "argus.redrive.records"
+DLQ_TOPIC_KEY = "argus.redrive.dlq_topic"
+STAYED_DEAD_KEY = "argus.redrive.stayed_dead"
+"""JSON {reason: dead letters}: what this redrive left dead, and why."""
+
+UNFAITHFUL = frozenset({Reason.BAD_HEADER, Reason.HEADER_TOO_LONG})
+"""Reasons whose dead letter does not hold the record's headers as they were (an oversized field is
+left out, an invalid event time replaced by the Kafka timestamp): rebuilt, the record would pass as
+something it never was, so it stays dead. Nothing a later run configures changes these failures."""
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One record of the dead-letter topic, as read."""
+
+    key: bytes | None
+    value: bytes
+    headers: dict[str, bytes]
+    """The last value of each header; {} when they could not be read."""
+    timestamp: int
+    """The dead letter's own Kafka timestamp."""
+
+    @classmethod
+    def of(cls, message) -> DeadLetter:
+        try:  # never message.headers(): see message_headers
+            raw = message_headers(message) or []
+        except Exception:  # a header key that is not UTF-8: no source coordinates, stays dead
+            raw = []
+        headers = {k: v for k, v in raw if isinstance(k, str) and v is not None}
+        return cls(message.key(), message.value() or b"", headers, message.timestamp()[1])
+
+    def text(self, name: str) -> str | None:
+        value = self.headers.get(name)
+        return None if value is None else value.decode("utf-8", "replace")
+
+    @property
+    def user(self) -> str:
+        return self.key.decode("utf-8", "replace") if self.key else ""
+
+    def source(self) -> tuple[str, int, int] | None:
+        """(topic, partition, offset) of the record it stands for; None when not stated."""
+        topic, partition, offset = (
+            self.text(h) for h in ("source_topic", "source_partition", "source_offset")
+        )
+        if topic is None or _natural(partition) is None or _natural(offset) is None:
+            return None
+        return topic, _natural(partition), _natural(offset)
+
+    def reason(self) -> str | None:
+        """The `error_reason` it was dead-lettered with. A dead letter from before reasons existed
+        has only its `error`, which names a header problem (the one kind that must stay dead)."""
+        reason = self.text("error_reason")
+        if reason is not None:
+            return reason
+        error = self.text("error") or ""
+        return Reason.BAD_HEADER if "header" in error or error.startswith("Kafka timestamp") else None
+
+
+def _natural(text: str | None) -> int | None:
+    """The number in a header that must hold one (ASCII digits, at most 19), else None."""
+    if text is None or not (text.isascii() and text.isdigit()) or len(text) > 19:
+        return None
+    return int(text)
+
+
+@dataclass
+class RedriveReport:
+    dlq_topic: str
+    read: int = 0
+    """Dead letters read: every one is counted in exactly one of the fields below."""
+    redriven: int = 0
+    snapshot_id: int | None = None
+    stayed_dead: Counter = field(default_factory=Counter)
+    """{reason: dead letters left dead}, reasons as `app.errors.Reason` values."""
+    in_table: int = 0
+    """Already rows of the table (redriven before, or ingested by a rerun after a crash)."""
+    duplicates: int = 0
+    """Dead letters of a record another dead letter read here already stands for."""
+    pending: int = 0
+    """At or beyond the table's committed offset: an ingest that has not committed yet owns them."""
+    before_start: int = 0
+    """Below where a table made by `ingest --from` begins: records that were never the table's."""
+    other_topics: int = 0
+    seconds: float = 0.0
+
+    def accounted(self) -> int:
+        return (
+            self.redriven
+            + sum(self.stayed_dead.values())
+            + self.in_table
+            + self.duplicates
+            + self.pending
+            + self.before_start
+            + self.other_topics
+        )
+
+    def __str__(self) -> str:
+        into = f"into table snapshot {self.snapshot_id}" if self.snapshot_id else "(nothing committed)"
+        dead = ", ".join(f"{reason} {n}" for reason, n in sorted(self.stayed_dead.items()))
+        return (
+            f"redriven {self.redriven} of {self.read} dead letters in {self.dlq_topic} {into}; "
+            f"stayed dead {sum(self.stayed_dead.values())}{f' ({dead})' if dead else ''}; "
+            f"already in the table {self.in_table}; duplicates {self.duplicates}; "
+            f"owned by a pending ingest {self.pending}; before the table's start {self.before_start}; "
+            f"other topics {self.other_topics}; "
+            f"{self.seconds:.1f}s"
+        )
+
+
+@dataclass
+class Candidate:
+    """A dead letter that may pass now, and the raw row (`kafka.RAW_SCHEMA`) of its record."""
+
+    letter: DeadLetter
+    row: dict
+    source_timestamp: int | None
+    """The record's own Kafka timestamp (None for dead letters written before they carried it)."""
+
+    @property
+    def coordinates(self) -> tuple[int, int]:
+        return self.row["partition"], self.row["offset"]
+
+
+def read_dead_letters(
+    connection: kafka.KafkaConnection, dlq_topic: str, timeout_s: float = READ_TIMEOUT_S
+) -> list[DeadLetter]:
+    """Every record of `dlq_topic` from each partition's log start to its proven end
+    (`kafka.probe_partitions`: a broker may report less); [] when the topic does not exist."""
+    from confluent_kafka import KafkaError, TopicPartition
+
+    consumer = connection.consumer()
+    try:
+        metadata = consumer.list_topics(dlq_topic, timeout=10).topics.get(dlq_topic)
+        if metadata is None or metadata.error is not None:
+            log.info("redrive: there is no dead-letter topic %s", dlq_topic)
+            return []
+        probed = kafka.probe_partitions(connection, dlq_topic, sorted(metadata.partitions), timeout_s)
+        ends = {p: ends.end for p, ends in probed.items() if ends.end > ends.log_start}
+        consumer.assign([TopicPartition(dlq_topic, p, probed[p].log_start) for p in ends])
+        letters: list[DeadLetter] = []
+        deadline = time.monotonic() + timeout_s
+        while ends:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"reading {dlq_topic} timed out for partitions {sorted(ends)}")
+            message = consumer.poll(1.0)
+            if message is None:
+                continue
+            p = message.partition()
+            if message.error():
+                if message.error().code() != KafkaError._PARTITION_EOF:
+                    raise RuntimeError(f"reading {dlq_topic}[{p}]: {message.error()}")
+                if p in ends and message.offset() >= ends[p]:
+                    del ends[p]
+                continue
+            if p not in ends or message.offset() >= ends[p]:  # written since the probe: the next run's
+                ends.pop(p, None)
+                continue
+            letters.append(DeadLetter.of(message))
+            if message.offset() >= ends[p] - 1:
+                del ends[p]
+        return letters
+    finally:
+        consumer.close()
+
+
+def redrive(settings: Settings, cfg: IngestConfig, connection: kafka.KafkaConnection) -> RedriveReport:
+    """`python -m app redrive`: read the dead letters, clean those whose failure may no longer
+    apply as ingest would now, and commit the good ones as one table snapshot, exactly once."""
+    started = time.perf_counter()
+    table = open_table(settings, cfg)
+    letters = read_dead_letters(connection, settings.dlq_topic)
+    dlq = Store.at(settings.uri("dlq"))
+    for attempt in range(1, PLAN_ATTEMPTS + 1):
+        try:
+            report = _redrive_once(settings, cfg, table, letters, dlq)
+        except OffsetConflict as exc:
+            log.warning(
+                "redrive of %s: %s (attempt %d of %d)", settings.dlq_topic, exc, attempt, PLAN_ATTEMPTS
+            )
+            continue
+        if report.accounted() != report.read:  # every dead letter read is in exactly one count
+            raise RuntimeError(f"redrive accounted for {report.accounted()} of {report.read} dead letters")
+        report.seconds = time.perf_counter() - started
+        return report
+    raise RuntimeError(
+        f"redrive of {settings.dlq_topic}: {PLAN_ATTEMPTS} plans in a row lost to other writers"
+    )
+
+
+def _redrive_once(
+    settings: Settings, cfg: IngestConfig, table: ImageTable, letters: list[DeadLetter], dlq: Store
+) -> RedriveReport:
+    report = RedriveReport(settings.dlq_topic, read=len(letters))
+    state = table.load()
+    base = state.current_snapshot()
+    planned_from = base.snapshot_id if base else None
+    if planned_from is not None:
+        held = table.summary_value(planned_from, TOPIC_KEY)
+        if held is not None and held != settings.topic:
+            raise ConfigError(
+                f"table {table.identifier} holds topic {held!r}, not {settings.topic!r}: "
+                "--table names another"
+            )
+    committed = table.committed(planned_from) if planned_from is not None else {}
+    starts = origin(state)
+    candidates = _triage(letters, settings.topic, committed, starts, erased_users(state), report)
+    present = _present(table, planned_from, candidates)
+    report.in_table = sum(1 for c in candidates if c.coordinates in present)
+    candidates = [c for c in candidates if c.coordinates not in present]
+    candidates = [c for c in candidates if _load_value(c, settings.topic, dlq, report)]
+    if settings.classes is None and any(c.letter.reason() == Reason.UNKNOWN_LABEL for c in candidates):
+        log.warning("redrive without --classes accepts every label, as ingest does")
+    log.info(
+        "redrive of %s: %d dead letters, %d to clean again (planned from table snapshot %s)",
+        settings.dlq_topic,
+        len(letters),
+        len(candidates),
+        planned_from,
+    )
+    if not candidates:
+        return report
+
+    files: list[DataFile] = []
+    try:
+        rows = _clean(settings, cfg, candidates, report)
+        if not rows.num_rows:
+            return report
+        _write(table, rows, files)
+        offsets: dict[int, set[int]] = defaultdict(set)
+        for p, o in zip(rows.column("kafka_partition").to_pylist(), rows.column("kafka_offset").to_pylist()):
+            offsets[p].add(o)
+        users: dict[str, set[str]] = defaultdict(set)
+        for user in rows.column("user_id").to_pylist():
+            users[user_digest(user)].add(user)
+        details = {
+            RECORDS_KEY: str(rows.num_rows),
+            DLQ_TOPIC_KEY: settings.dlq_topic,
+            STAYED_DEAD_KEY: dumps(dict(report.stayed_dead)),
+        }
+        if cfg.features:
+            details[FEATURES_WEIGHTS_KEY] = cfg.weights or ""
+        report.snapshot_id = table.commit_redrive(
+            files, settings.topic, planned_from, dict(offsets), set(users), details
+        )
+    except CommitStateUnknownException:
+        raise  # the catalog may hold the commit: its files must stay
+    except BaseException:
+        table.discard(files)
+        raise
+    report.redriven = rows.num_rows
+    _erase_again(table, users)
+    return report
+
+
+def _triage(
+    letters: list[DeadLetter],
+    topic: str,
+    committed: dict[int, int],
+    starts: dict[int, int],
+    erased: set[str],
+    report: RedriveReport,
+) -> list[Candidate]:
+    """The dead letters that may pass now, each once; the others counted in `report`."""
+    seen: set[tuple[int, int]] = set()
+    candidates = []
+    for letter in letters:
+        source = letter.source()
+        if source is None:
+            report.stayed_dead[Reason.BAD_HEADER] += 1  # no source: nothing it could be redriven as
+            continue
+        source_topic, partition, offset = source
+        if source_topic != topic:
+            report.other_topics += 1
+            continue
+        if (partition, offset) in seen:
+            report.duplicates += 1  # an ingest rerun after a crash publishes its dead letters again
+            continue
+        seen.add((partition, offset))
+        if offset >= committed.get(partition, 0):
+            report.pending += 1
+            continue
+        if offset < starts.get(partition, 0):
+            report.before_start += 1  # the DLQ is the topic's, shared by every table made from it
+            continue
+        if user_digest(letter.user) in erased:
+            report.stayed_dead[Reason.ERASED] += 1
+            continue
+        reason = letter.reason()
+        if reason in UNFAITHFUL:
+            report.stayed_dead[reason] += 1
+            continue
+        candidates.append(_candidate(letter, partition, offset))
+    return candidates
+
+
+def _candidate(letter: DeadLetter, partition: int, offset: int) -> Candidate:
+    """The raw row of the record a dead letter stands for, as the Kafka reader made it; the value
+    is loaded later (`_load_value`), once the record is known to be missing from the table."""
+    source_timestamp = _natural(letter.text("source_timestamp"))
+    names = ("schema", "event_time", "label", "device_id")  # as `record_headers` wrote them
+    original = [(name, letter.headers[name]) for name in names if name in letter.headers]
+    # `event_time` falls back to the Kafka timestamp only when the header is absent, which a dead
+    # letter's never is (`record_headers` always writes it).
+    timestamp = source_timestamp if source_timestamp is not None else letter.timestamp
+    row = header_fields(original, timestamp, None, letter.key)
+    row.update(
+        partition=partition,
+        offset=offset,
+        kafka_timestamp=timestamp,
+        late=False,
+        value=b"",
+        gap_end=None,
+    )
+    return Candidate(letter, row, source_timestamp)
+
+
+def _event_date(row: dict) -> datetime.date | None:
+    if row["header_error"] is not None or row["event_time"] is None:
+        return None
+    return datetime.datetime.fromtimestamp(row["event_time"] / 1000, datetime.UTC).date()
+
+
+def _present(table: ImageTable, snapshot_id: int | None, candidates: list[Candidate]) -> set[tuple[int, int]]:
+    """The candidates' coordinates that are rows of snapshot `snapshot_id`: a scan filtered on them
+    and, where every candidate's event date is known, on those dates (files of other days are
+    not read)."""
+    if snapshot_id is None or not candidates:
+        return set()
+    wanted = {c.coordinates for c in candidates}
+    by_partition: dict[int, set[int]] = defaultdict(set)
+    for p, o in wanted:
+        by_partition[p].add(o)
+    match = functools.reduce(
+        Or,
+        [And(EqualTo("kafka_partition", p), In("kafka_offset", sorted(o))) for p, o in by_partition.items()],
+    )
+    dates = {_event_date(c.row) for c in candidates}
+    if None not in dates:
+        match = And(In("event_date", sorted(d.isoformat() for d in dates)), match)
+    rows = (
+        table.load()
+        .scan(snapshot_id=snapshot_id, row_filter=match, selected_fields=("kafka_partition", "kafka_offset"))
+        .to_arrow()
+    )
+    found = set(zip(rows.column("kafka_partition").to_pylist(), rows.column("kafka_offset").to_pylist()))
+    return found & wanted
+
+
+def _load_value(candidate: Candidate, topic: str, dlq: Store, report: RedriveReport) -> bool:
+    """Put the record's value into its row: the dead letter's own, or its stored payload; False
+    (counted as `bad_payload`, logged) when the payload cannot be trusted (`_payload`)."""
+    letter = candidate.letter
+    if "payload_uri" not in letter.headers:
+        candidate.row["value"] = letter.value
+        return True
+    value = _payload(letter, topic, *candidate.coordinates, dlq)
+    if isinstance(value, str):
+        log.warning("dead letter of %s[%d]@%d stays dead: %s", topic, *candidate.coordinates, value)
+        report.stayed_dead[Reason.BAD_PAYLOAD] += 1
+        return False
+    candidate.row["value"] = value
+    return True
+
+
+def _payload(letter: DeadLetter, topic: str, partition: int, offset: int, dlq: Store) -> bytes | str:
+    """A dead letter's stored value, or why it is not to be used. The headers are untrusted: the
+    payload is read only at the name the sink gives it under `<storage>/dlq/`, and only if it has
+    the size and SHA-256 they name."""
+    relative = f"{topic}/{dead_letter_folder(letter.user)}/{partition}-{offset}.bin"
+    uri, size, digest = (letter.text(h) for h in ("payload_uri", "payload_size", "payload_sha256"))
+    if uri != dlq.uri(relative):
+        return f"its payload_uri {(uri or '')[:200]!r} is not {dlq.uri(relative)!r}"
+    if _natural(size) is None or not digest:
+        return "its payload_size or payload_sha256 is missing"
+    stored = dlq.fs.get_file_info(dlq.path(relative)).size
+    if stored != _natural(size):  # a missing file has no size; a wrong size is not read at all
+        return f"the payload holds {stored} bytes, not {size}"
+    value = dlq.read(relative)
+    if len(value) != stored or sha256(value) != digest:
+        return "the payload's SHA-256 is not its payload_sha256"
+    return value
+
+
+def _clean(
+    settings: Settings, cfg: IngestConfig, candidates: list[Candidate], report: RedriveReport
+) -> pa.Table:
+    """The candidates through ingest's preprocessing (`preprocess_batches`: the same actor pool,
+    transform and checks) → the table's rows of those that pass; the others counted by reason."""
+    import ray.data
+
+    raw = pa.Table.from_pylist([c.row for c in candidates], schema=kafka.RAW_SCHEMA)
+    stamps = {c.coordinates: c.source_timestamp for c in candidates}
+    cleaned = preprocess_batches(ray.data.from_arrow(raw), settings, cfg)
+    parts = []
+    for batch in cleaned.iter_batches(batch_size=None, batch_format="pyarrow"):
+        errors = batch.column("error")
+        report.stayed_dead.update(r for r in batch.column("reason").to_pylist() if r is not None)
+        good = batch.filter(pc.is_null(errors))
+        if not good.num_rows:
+            continue
+        rows = table_rows(good)
+        # The record's Kafka timestamp where its dead letter carried it, else unknown (null).
+        coordinates = zip(rows.column("kafka_partition").to_pylist(), rows.column("kafka_offset").to_pylist())
+        original = pa.array([stamps[(p, o)] for p, o in coordinates], pa.int64())
+        parts.append(
+            rows.set_column(rows.schema.get_field_index("kafka_timestamp_ms"), "kafka_timestamp_ms", original)
+        )
+    if not parts:
+        return pa.table({})
+    return pa.concat_tables(parts)
+
+
+def _write(table: ImageTable, rows: pa.Table, files: list[DataFile]) -> None:
+    """`rows` as uncommitted data files, appended to `files` as they are written (a failure
+    part-way leaves them there to discard), at most WRITE_BYTES of rows a call."""
+    step = max(1, int(rows.num_rows * WRITE_BYTES / max(rows.nbytes, 1)))
+    for start in range(0, rows.num_rows, step):
+        files.extend(table.write_files(rows.slice(start, step)))
+
+
+def _erase_again(table: ImageTable, users: dict[str, set[str]]) -> None:
+    """An erasure recorded after this redrive's commit checked for one may have looked for the
+    user's rows before the commit landed: erase those users again, now that their rows are in."""
+    erased = erased_users(table.load()) & set(users)
+    for digest in sorted(erased):
+        for user in sorted(users[digest]):
+            log.warning("redrive: a user was erased while it committed; erasing their redriven rows")
+            erase_user(table, user)
