@@ -9,11 +9,11 @@
    snapshot kept). The baseline stops at --baseline-max commits: without expiry each commit
    rewrites a metadata file holding every earlier snapshot, so building its history grows
    quadratically. Goal: with upkeep, planning at the largest size ≤ 1.5× planning at 10 commits.
-2. Write: the same preprocessed rows (32 px, --write-rows per commit) committed to the table
-   (`ImageTable.commit`: Parquet files by event date, then one catalog commit with the offsets)
-   against a plain `pyarrow.parquet.write_to_dataset` partitioned by event date, alternating,
-   --repeats rounds. Goal: the table's rows/s ≥ 0.8× the plain write's at the largest size (a
-   bulk ingest's one commit); the smaller size shows the fixed cost of a commit.
+2. Write: the same preprocessed rows (--write-image-size px, default 224; --write-rows per commit)
+   committed to the table (`ImageTable.commit`: Parquet files by event date, then one catalog
+   commit with the offsets) against a plain `pyarrow.parquet.write_to_dataset` partitioned by
+   event date, alternating, --repeats rounds. Goal: the table's rows/s ≥ 0.8× the plain write's
+   at the largest size (a bulk ingest's one commit); the smaller size shows a commit's fixed cost.
 
     .venv/bin/python bench/history.py                       # 10 / 1,000 / 10,000 commits, local disk
     .venv/bin/python bench/history.py --sizes 10,300        # quicker
@@ -93,8 +93,8 @@ def open_table(root: str, name: str, catalog_dir: str) -> ImageTable:
     return ImageTable.at(f"{root}/{name}", catalog=f"sqlite:///{catalog_dir}/{name}.db")
 
 
-def write_rows(count: int, first_offset: int) -> pa.Table:
-    """`count` preprocessed 32 px records over two event dates."""
+def write_rows(count: int, first_offset: int, size: int = 32) -> pa.Table:
+    """`count` preprocessed `size` px records over two event dates."""
     offsets = np.arange(first_offset, first_offset + count)
     rng = np.random.default_rng(first_offset)
     return pa.table(
@@ -105,9 +105,9 @@ def write_rows(count: int, first_offset: int) -> pa.Table:
             "label": ["tap"] * count,
             "event_time_ms": pa.array(T0 + (offsets % 2) * 86_400_000, pa.int64()),
             "device_id": ["device-0"] * count,
-            "pixels": [rng.integers(0, 256, 32 * 32 * 3, dtype=np.uint8).tobytes() for _ in offsets],
-            "height": pa.array(np.full(count, 32), pa.int32()),
-            "width": pa.array(np.full(count, 32), pa.int32()),
+            "pixels": [rng.integers(0, 256, size * size * 3, dtype=np.uint8).tobytes() for _ in offsets],
+            "height": pa.array(np.full(count, size), pa.int32()),
+            "width": pa.array(np.full(count, size), pa.int32()),
         }
     )
 
@@ -125,7 +125,7 @@ def write_part(args, root: str, catalog_dir: str) -> str:
         plain_fs, plain_root = pafs.FileSystem.from_uri(
             f"{root}/plain-{count}" if "://" in root else f"file://{root}/plain-{count}"
         )
-        batches = [write_rows(count, i * count) for i in range(args.repeats)]
+        batches = [write_rows(count, i * count, args.write_image_size) for i in range(args.repeats)]
         state = {"table": 0, "plain": 0}
 
         def to_table() -> dict:
@@ -155,8 +155,8 @@ def write_part(args, root: str, catalog_dir: str) -> str:
         plain = common.median_of(runs["plain"], "rows_per_s")
         ratios[count] = mine / plain
         print(
-            f"write of {count} rows (32 px) per commit: table {mine:.0f} rows/s, plain {plain:.0f} rows/s, "
-            f"{ratios[count]:.2f}×"
+            f"write of {count} rows ({args.write_image_size} px) per commit: table {mine:.0f} rows/s, "
+            f"plain {plain:.0f} rows/s, {ratios[count]:.2f}×"
         )
     largest = max(ratios)
     return common.goal_line(
@@ -169,10 +169,11 @@ def main() -> None:
     parser.add_argument("--sizes", default="10,1000,10000", help="history lengths, ascending")
     parser.add_argument("--upkeep-every", type=int, default=100)
     parser.add_argument("--baseline-max", type=int, default=1000)
-    parser.add_argument(
-        "--write-rows", default="2000,20000", help="rows per commit in part 2, comma-separated"
-    )
+    parser.add_argument("--write-rows", default="500,2000", help="rows per commit in part 2, comma-separated")
     parser.add_argument("--repeats", type=int, default=5, help="rounds of part 2")
+    parser.add_argument(
+        "--write-image-size", type=int, default=224, help="image side of part 2's rows (Argus's default)"
+    )
     parser.add_argument("--s3", action="store_true", help="the warehouse on a moto S3 server started here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="history-") as local:
