@@ -17,6 +17,7 @@ import pytest
 
 from app.config import SETTINGS_ENV, Settings
 from app.data.broker import EmbeddedBroker
+from app.data.records import record_headers
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_IMAGE_SIZE = 32
@@ -424,3 +425,18 @@ def make_tls_files(directory: Path) -> dict[str, Path]:
         paths[name] = directory / f"{name}.pem"
         paths[name].write_bytes(content)
     return paths
+
+
+def send(settings, records) -> list[tuple[int, int]]:
+    """Publish (key, value, label, event_time) through a batching producer, device `dev-1`;
+    return (partition, offset)s."""
+    producer = settings.kafka_connection().producer(linger_ms=50)
+    futures = [
+        producer.send(
+            settings.topic, key=key.encode(), value=value, headers=record_headers(label, event_time, "dev-1")
+        )
+        for key, value, label, event_time in records
+    ]
+    producer.flush()
+    producer.close()
+    return [(f.get().partition, f.get().offset) for f in futures]

@@ -303,20 +303,12 @@ class ImageTable:
                 summary[WATERMARKS_KEY] = dumps(carried)
             if lost:
                 summary[LOST_KEY] = dumps({p: [ranges[p][0], ranges[p][0] + n] for p, n in lost.items() if n})
-            txn = table.transaction()
-            if first:  # in the same swap: the table's start outlives its first snapshot's expiry
-                txn.set_properties({ORIGIN_KEY: dumps({p: start for p, (start, _) in ranges.items()})})
-            with txn.update_snapshot(snapshot_properties=summary).fast_append() as append:
-                for data_file in files:
-                    append.append_data_file(data_file)
-            try:
-                # One catalog swap, asserting the branch is still at `base` (the append's
-                # AssertRefSnapshotId); retries are off on `table`, so a lost swap raises here.
-                txn.commit_transaction()
-            except CommitFailedException as exc:
-                log.info("commit to %s lost a race (attempt %d): %s", self.identifier, attempt, exc)
-                continue
-            return append.snapshot_id
+            # In the same swap: the table's start outlives its first snapshot's expiry.
+            origin_property = {ORIGIN_KEY: dumps({p: s for p, (s, _) in ranges.items()})} if first else {}
+            snapshot_id = _append(table, summary, files, origin_property)
+            if snapshot_id is not None:
+                return snapshot_id
+            log.info("commit to %s lost a race (attempt %d)", self.identifier, attempt)
         raise OffsetConflict(
             f"table {self.identifier}: {COMMIT_ATTEMPTS} commits in a row lost to other writers; "
             "nothing committed"
@@ -391,20 +383,34 @@ class ImageTable:
                 **{k: v for k, v in details.items() if k.startswith(DETAILS_PREFIX)},
                 **carried_summary(table, base),
             }
-            txn = table.transaction()
-            with txn.update_snapshot(snapshot_properties=summary).fast_append() as append:
-                for data_file in files:
-                    append.append_data_file(data_file)
-            try:
-                txn.commit_transaction()  # asserts the branch is still at `base`
-            except CommitFailedException as exc:
-                log.info("redrive commit to %s lost a race (attempt %d): %s", self.identifier, attempt, exc)
-                continue
-            return append.snapshot_id
+            snapshot_id = _append(table, summary, files)
+            if snapshot_id is not None:
+                return snapshot_id
+            log.info("redrive commit to %s lost a race (attempt %d)", self.identifier, attempt)
         raise OffsetConflict(
             f"table {self.identifier}: {COMMIT_ATTEMPTS} redrive commits in a row lost to other writers; "
             "nothing committed"
         )
+
+
+def _append(
+    table: Table, summary: dict[str, str], files: list[DataFile], properties: dict[str, str] | None = None
+) -> int | None:
+    """One catalog swap: `files` appended as a snapshot with `summary` (and `properties` set with
+    it), asserting the branch is still where `table` has it (the append's AssertRefSnapshotId).
+    Retries are off on Argus tables, so a lost swap is None here, for the caller to re-check."""
+    txn = table.transaction()
+    if properties:
+        txn.set_properties(properties)
+    with txn.update_snapshot(snapshot_properties=summary).fast_append() as append:
+        for data_file in files:
+            append.append_data_file(data_file)
+    try:
+        txn.commit_transaction()
+    except CommitFailedException as exc:
+        log.debug("lost swap: %s", exc)
+        return None
+    return append.snapshot_id
 
 
 def erased_users(table: Table) -> set[str]:

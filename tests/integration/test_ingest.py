@@ -28,7 +28,7 @@ from app.data.selection import chw_images
 from app.data.table import ImageTable
 from app.transform import normalize_pixels, preprocess
 
-from conftest import ROOT, child_env, run_cli, settings_args
+from conftest import ROOT, child_env, run_cli, send, settings_args
 
 
 def consume_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 30) -> list:
@@ -67,20 +67,6 @@ def coordinates_of(rows) -> list[tuple[int, int]]:
 
 def summary(settings, snapshot_id: int) -> dict[str, str]:
     return table_of(settings).load().snapshot_by_id(snapshot_id).summary.additional_properties
-
-
-def send(settings, records) -> list[tuple[int, int]]:
-    """Publish (key, value, label, event_time) through a batching producer; return (partition, offset)s."""
-    producer = settings.kafka_connection().producer(linger_ms=50)
-    futures = [
-        producer.send(
-            settings.topic, key=key.encode(), value=value, headers=record_headers(label, event_time, "dev-1")
-        )
-        for key, value, label, event_time in records
-    ]
-    producer.flush()
-    producer.close()
-    return [(f.get().partition, f.get().offset) for f in futures]
 
 
 def valid_records(n: int, seed: int, size: int = 32) -> list[tuple]:

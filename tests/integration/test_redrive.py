@@ -16,13 +16,13 @@ from PIL import Image
 from app.config import IngestConfig
 from app.data import synth
 from app.data.ingest import ingest
-from app.data.records import dead_letter_folder, record_headers
+from app.data.records import dead_letter_folder
 from app.data.redrive import redrive
 from app.data.selection import chw_images
 from app.data.table import ImageTable
 from app.transform import normalize_pixels, preprocess
 
-from conftest import run_cli, settings_args
+from conftest import run_cli, send, settings_args
 
 
 def table_of(settings) -> ImageTable:
@@ -31,20 +31,6 @@ def table_of(settings) -> ImageTable:
 
 def coordinates_of(rows: list[dict]) -> list[tuple[int, int]]:
     return [(r["kafka_partition"], r["kafka_offset"]) for r in rows]
-
-
-def send(settings, records) -> list[tuple[int, int]]:
-    """Publish (key, value, label, event_time) records; their (partition, offset)s."""
-    producer = settings.kafka_connection().producer(linger_ms=50)
-    futures = [
-        producer.send(
-            settings.topic, key=key.encode(), value=value, headers=record_headers(label, event_time, "dev-1")
-        )
-        for key, value, label, event_time in records
-    ]
-    producer.flush()
-    producer.close()
-    return [(f.get().partition, f.get().offset) for f in futures]
 
 
 def labelled(n: int, seed: int, labels: list[str]) -> list[tuple]:
