@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MATERIALIZE_SHARE = 0.25
-"""Train and validation slices that fit in this share of the object store are held there."""
+"""Train and validation slices that fit in this share of the driver node's object store are held
+there."""
 FEATURE_BYTES = core.FEATURE_DIM * 4
 INPUT_TASK_CPUS = 0
 """Training's input tasks reserve no CPU. An elastic group may hold every CPU of a node (after a
@@ -66,14 +67,25 @@ def build_datasets(
     resize = not features and read.image_size != size
     stored = "features" if features else "source" if resize else "pixels"
     # No hive partitioning: `event_date` is in the files themselves, and Ray would add it again.
-    read_args = {
-        "file_extensions": ["parquet"],
-        "partitioning": None,
-        "ray_remote_args": {"num_cpus": INPUT_TASK_CPUS},
-    }
-    times = ray.data.read_parquet(paths, columns=["event_time_ms", "label"], **read_args).to_pandas()
+    read_args = {"file_extensions": ["parquet"], "partitioning": None}
+    times = ray.data.read_parquet(
+        paths, columns=["event_time_ms", "label"], ray_remote_args={"num_cpus": INPUT_TASK_CPUS}, **read_args
+    ).to_pandas()
     split = EventTimeSplit.of(times[times["label"].isin(classes)]["event_time_ms"].to_numpy(), val_fraction)
-    dataset = ray.data.read_parquet(paths, columns=[stored, "label", "event_time_ms"], **read_args)
+    record_bytes = FEATURE_BYTES if features else 3 * size * size  # uint8 pixels
+    input_bytes = (split.train + split.val + split.test) * record_bytes
+    held = input_bytes <= MATERIALIZE_SHARE * _driver_object_store_bytes()
+    # Held blocks die with the node that made them, and Ray's lineage rebuild of Ray Data's
+    # generator outputs can hang until the fetch times out (ray-project/ray#46425; seen in CI after
+    # a node loss). Made on the driver's node, they die only with the driver.
+    placement = {"scheduling_strategy": _on_driver_node()} if held else {}
+
+    def task_args() -> dict:  # fresh each time: Ray Data fills in the dict it is given
+        return {"num_cpus": INPUT_TASK_CPUS, **placement}
+
+    dataset = ray.data.read_parquet(
+        paths, columns=[stored, "label", "event_time_ms"], ray_remote_args=task_args(), **read_args
+    )
 
     def labelled(batch):
         # One map does label filter, slice tag, decoding and projection: a separate filter or
@@ -92,10 +104,7 @@ def build_datasets(
                 "slice": split.slice_of(batch["event_time_ms"][rows]).astype(np.int8),
             }
 
-    rows = dataset.map_batches(labelled, batch_format="numpy", num_cpus=INPUT_TASK_CPUS)
-    record_bytes = FEATURE_BYTES if features else 3 * size * size  # uint8 pixels
-    input_bytes = (split.train + split.val + split.test) * record_bytes
-    held = input_bytes <= MATERIALIZE_SHARE * _object_store_bytes()
+    rows = dataset.map_batches(labelled, batch_format="numpy", **task_args())
     if held:
         # Read once, not once per slice and epoch: the epochs then stream from memory, and no read
         # task competes with the training workers for the cores.
@@ -114,16 +123,26 @@ def build_datasets(
             if chosen.any():
                 yield {column: batch[column][chosen], "label_index": batch["label_index"][chosen]}
 
-        sliced = rows.map_batches(keep, batch_format="numpy", num_cpus=INPUT_TASK_CPUS)
+        sliced = rows.map_batches(keep, batch_format="numpy", **task_args())
         return sliced.materialize() if held else sliced
 
     return Datasets(event_slice(TRAIN), event_slice(VALIDATION), event_slice(TEST), split)
 
 
-def _object_store_bytes() -> float:
+def _driver_object_store_bytes() -> float:
     import ray
 
-    return ray.cluster_resources().get("object_store_memory", 0)
+    here = ray.get_runtime_context().get_node_id()
+    node = next(n for n in ray.nodes() if n["NodeID"] == here)
+    return node["Resources"].get("object_store_memory", 0)
+
+
+def _on_driver_node():
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # Hard: input tasks take no CPU, so the driver's node can always run them.
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
 def class_weights(label_counts: dict[str, int], classes: list[str]) -> list[float]:
