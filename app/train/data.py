@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MATERIALIZE_SHARE = 0.25
-"""Train and validation slices that fit in this share of the driver node's object store are held
-there."""
+"""Input (all three event-time slices) that fits in this share of the driver node's object store is
+held there."""
 FEATURE_BYTES = core.FEATURE_DIM * 4
 INPUT_TASK_CPUS = 0
 """Training's input tasks reserve no CPU. An elastic group may hold every CPU of a node (after a
@@ -108,11 +108,12 @@ def build_datasets(
     if held:
         # Read once, not once per slice and epoch: the epochs then stream from memory, and no read
         # task competes with the training workers for the cores.
-        log.info("holding the input (%.1f MB) in the object store", input_bytes / 1e6)
+        log.info("holding the input (%.1f MB) in the driver node's object store", input_bytes / 1e6)
         rows = rows.materialize()
     else:
         log.info(
-            "streaming the input (%.1f MB, over %.0f%% of the object store) from storage every epoch",
+            "streaming the input (%.1f MB, over %.0f%% of the driver node's object store) from storage "
+            "every epoch",
             input_bytes / 1e6,
             100 * MATERIALIZE_SHARE,
         )
