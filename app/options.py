@@ -372,8 +372,8 @@ def add_watch(parser) -> None:
     parser.add_argument(
         "--compact-interval-s",
         type=float,
-        help="between two upkeeps of the table: compaction, snapshot expiry, orphan removal "
-        "(default 300; 0: none in this watch)",
+        help="between two upkeeps of the table: compaction, snapshot expiry, orphan removal, run by "
+        "the group's watch holding partition 0 (default 300; 0: none in this watch)",
     )
     parser.add_argument(
         "--expire-after-s",

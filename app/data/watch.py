@@ -39,6 +39,12 @@ UPKEEP_RETRY_CAP_S = 300.0
 """An upkeep that failed is retried after UPKEEP_RETRY_S, doubling up to this (or the interval)."""
 STUCK_AFTER = 5
 """Failed upkeeps in a row after which the upkeep is reported stuck (an error, not a warning)."""
+EXPIRY_CHECK_S = 15.0
+"""Between two looks at the table's snapshot count. A busy watch commits about once a second and
+every kept snapshot makes each commit dearer, so expiry does not wait for the next full upkeep once
+the table holds more than twice `keep_snapshots`."""
+UPKEEP_PARTITION = 0
+"""The watch that holds this partition of the topic keeps the table up; the others leave it be."""
 MIN_ORPHAN_AGE_S = 3600.0
 """Files younger than this are never orphans: a writer (a bulk ingest, a part) may not have
 committed them yet."""
@@ -138,12 +144,15 @@ def _registry_pins(settings: Settings) -> Callable[[], set[int]]:
 
 
 class Upkeep:
-    """The table's upkeep every `compact_interval_s` (jittered, so watches do not run it in step),
-    in a thread beside the watch's pipeline: compaction of small files per event date, expiry of
-    snapshots older than `expire_after_s` or beyond the newest `keep_snapshots`, but those
-    registered versions name (`pinned`) and those running readers tagged, and
-    removal of orphan files. Every step is one catalog commit that re-plans when it loses a race,
-    so several watches may run it at once. A failed upkeep is retried with backoff
+    """The table's upkeep every `compact_interval_s` (jittered), in a thread beside the watch's
+    pipeline: compaction of small files per event date, expiry of snapshots older than
+    `expire_after_s` or beyond the newest `keep_snapshots`, but those registered versions name
+    (`pinned`) and those running readers tagged, and removal of orphan files. In between, every
+    EXPIRY_CHECK_S, expiry alone once the table holds over twice `keep_snapshots` snapshots.
+
+    Only the watch that `leads` (holds UPKEEP_PARTITION in the group) runs it, so several watches do
+    not repeat the work; should two lead at once during a rebalance, each step is one catalog commit
+    that re-plans when it loses a race. A failed upkeep is retried with backoff
     (`app.retry.Backoff`) and, after STUCK_AFTER failures in a row, reported stuck;
     `argus_compaction_failures` counts every failure, `argus_compactions` every compaction."""
 
@@ -154,9 +163,11 @@ class Upkeep:
         cfg: WatchConfig,
         stop: threading.Event,
         pinned: Callable[[], set[int]] | None = None,
+        leads: Callable[[], bool] = lambda: True,
     ):
         self.table, self.topic, self.cfg, self.stop = table, settings.topic, cfg, stop
         self.pinned = pinned or _registry_pins(settings)
+        self.leads = leads
         self.rng = random.Random()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="upkeep")
@@ -169,7 +180,7 @@ class Upkeep:
         """Compact, expire, remove orphans: each step even when one before it failed, then
         UpkeepFailed naming those that did. Nothing expires while the registry cannot say which
         snapshots its versions pin."""
-        from app.data.maintenance import compact, expire, remove_orphans
+        from app.data.maintenance import compact, remove_orphans
 
         failed: dict[str, BaseException] = {}
         try:
@@ -178,21 +189,9 @@ class Upkeep:
         except Exception as exc:
             failed["compaction"] = exc
         try:
-            keep = self.pinned()
+            self.expire()
         except Exception as exc:
-            failed["expiry"] = RuntimeError(
-                f"nothing expired: the registry did not say which snapshots its versions pin ({exc})"
-            )
-        else:
-            try:
-                expire(
-                    self.table,
-                    older_than_s=self.cfg.expire_after_s,
-                    keep=keep,
-                    max_snapshots=self.cfg.keep_snapshots,
-                )
-            except Exception as exc:
-                failed["expiry"] = exc
+            failed["expiry"] = exc
         try:
             remove_orphans(self.table, older_than_s=self.cfg.orphan_after_s)
         except Exception as exc:
@@ -200,20 +199,56 @@ class Upkeep:
         if failed:
             raise UpkeepFailed(failed)
 
+    def expire(self) -> None:
+        """Expire what the watch's settings say, sparing what registered versions pin."""
+        from app.data.maintenance import expire
+
+        try:
+            keep = self.pinned()
+        except Exception as exc:
+            raise RuntimeError(
+                f"nothing expired: the registry did not say which snapshots its versions pin ({exc})"
+            ) from exc
+        expire(
+            self.table,
+            older_than_s=self.cfg.expire_after_s,
+            keep=keep,
+            max_snapshots=self.cfg.keep_snapshots,
+        )
+
+    def _overgrown(self) -> bool:
+        return len(self.table.load().snapshots()) > 2 * self.cfg.keep_snapshots
+
     def _done(self, wait_s: float) -> bool:
         return self._closed.wait(wait_s) or self.stop.is_set()
+
+    def _lead(self, was_leading: bool) -> bool:
+        leading = self.leads()
+        if leading != was_leading:
+            who = "this watch holds" if leading else "another watch holds"
+            log.info("upkeep of %s: %s partition %d and runs it", self.topic, who, UPKEEP_PARTITION)
+        return leading
 
     def _run(self) -> None:
         interval = self.cfg.compact_interval_s
         backoff = Backoff(base_s=min(UPKEEP_RETRY_S, interval), cap_s=max(UPKEEP_RETRY_CAP_S, interval))
-        wait_s = interval * self.rng.uniform(0.75, 1.0)
-        while not self._done(wait_s):
+        due = time.monotonic() + interval * self.rng.uniform(0.75, 1.0)
+        leading = False
+        while not self._done(min(max(due - time.monotonic(), 0.0), EXPIRY_CHECK_S)):
+            leading = self._lead(leading)
+            if not leading:  # keeps its own clock should it lead later
+                due = max(due, time.monotonic() + EXPIRY_CHECK_S)
+                continue
+            if time.monotonic() < due:
+                self._trim()
+                continue
             try:
                 self.tick()
                 backoff.succeeded()
-                wait_s = interval * self.rng.uniform(0.75, 1.0)
+                due = time.monotonic() + interval * self.rng.uniform(0.75, 1.0)
             except Exception as exc:  # the next try starts from what the table holds then
                 wait_s = backoff.failed()
+                due = time.monotonic() + wait_s
                 metrics.inc("argus_compaction_failures", topic=self.topic)
                 stuck = backoff.failures >= STUCK_AFTER
                 log.log(
@@ -226,6 +261,15 @@ class Upkeep:
                     exc,
                     exc_info=backoff.failures == 1,  # the traceback once, not every retry
                 )
+
+    def _trim(self) -> None:
+        """Expiry between upkeeps, when commits have piled up snapshots. A failure is left to the
+        full upkeep, which retries with backoff and counts and reports it."""
+        try:
+            if self._overgrown():
+                self.expire()
+        except Exception as exc:
+            log.warning("expiry of %s between upkeeps failed: %s", self.topic, exc)
 
     def close(self) -> None:
         self._closed.set()
@@ -256,14 +300,22 @@ def watch(
     table = open_table(settings, ingest_cfg)
     writer = f"watch {socket.gethostname()}:{os.getpid()}"
     lag = LagMonitor(settings.topic, cfg.lag_alert_s, cfg.lag_alert_for_s)
-    upkeep = Upkeep(table, settings, cfg, stop)
+    stream: Stream | None = None
+    upkeep = Upkeep(
+        table,
+        settings,
+        cfg,
+        stop,
+        leads=lambda: stream is not None and UPKEEP_PARTITION in stream.partitions.owned,
+    )
     upkeep.start()
     restarts = Backoff(base_s=1.0, cap_s=RESTART_BACKOFF_CAP_S)
     try:
         while not stop.is_set():
             started = time.monotonic()
             try:
-                Stream(table, settings, cfg, ingest_cfg, kafka, lag, writer, stop).run()
+                stream = Stream(table, settings, cfg, ingest_cfg, kafka, lag, writer, stop)
+                stream.run()
                 break
             except Restart as exc:
                 if time.monotonic() - started > RESTART_BACKOFF_CAP_S:

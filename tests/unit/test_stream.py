@@ -16,6 +16,7 @@ import pytest
 
 from app import registry
 from app.config import IngestConfig, Settings
+from app.data import watch as watch_module
 from app.data.lag import AlertState
 from app.data.partitions import Restart
 from app.data.parts import WRITER_KEY, Batch, Part, PartPipeline
@@ -207,3 +208,32 @@ def test_an_upkeep_without_the_registry_expires_nothing_retries_ever_less_often_
     # The compaction ran; nothing expired blindly: every snapshot is still there.
     ids = {s.snapshot_id for s in pyiceberg_alone(root).snapshots()}
     assert set(snapshots) < ids and table.current_snapshot_id() not in snapshots
+
+
+def test_only_the_watch_holding_partition_0_keeps_the_table_up_and_trims_snapshots_between_upkeeps(
+    root, monkeypatch
+):
+    monkeypatch.setattr(watch_module, "EXPIRY_CHECK_S", 0.05)
+    settings = _settings(root)
+    table = ImageTable.at(str(root))
+    snapshots = _small_commits(table, 7)
+    holds_partition_0 = threading.Event()
+    # The full upkeep (compaction) is an hour away: only the trim between upkeeps can expire.
+    cfg = WatchConfig(compact_interval_s=3600, keep_snapshots=3)
+    upkeep = Upkeep(table, settings, cfg, threading.Event(), pinned=set, leads=holds_partition_0.is_set)
+
+    def kept() -> list[int]:
+        return [s.snapshot_id for s in pyiceberg_alone(root).snapshots()]
+
+    upkeep.start()
+    try:
+        time.sleep(0.5)  # ten looks at the table while another watch holds partition 0
+        assert kept() == snapshots
+        holds_partition_0.set()
+        deadline = time.monotonic() + 30
+        while len(kept()) > 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        upkeep.close()
+    assert sorted(kept()) == sorted(snapshots[-3:])  # the newest 3, and no compaction commit
+    assert table.current_snapshot_id() == snapshots[-1] and table.committed() == {0: 14}
