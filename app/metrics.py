@@ -24,6 +24,12 @@ _DEFINITIONS = {
         "Offsets never returned: transaction markers, compaction",
         ("topic",),
     ),
+    "argus_records_redriven": ("counter", "Dead letters `argus redrive` committed to the table", ("topic",)),
+    "argus_redrive_stayed_dead": (
+        "counter",
+        "Dead letters a redrive read and left dead, by reason (every run counts all it read)",
+        ("topic", "reason"),
+    ),
     "argus_ingest_records_per_second": ("gauge", "Throughput of the last ingest", ("topic",)),
     "argus_ingest_megabytes_per_second": ("gauge", "Record bytes per second of the last ingest", ("topic",)),
     "argus_consumer_lag_records": (

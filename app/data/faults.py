@@ -2,7 +2,7 @@
 point of a table commit, as a crash would, so a rerun can be checked to lose and duplicate nothing:
 `after_write` (data files written and proven, nothing committed), `before_commit` (just before the
 catalog swap) and `after_commit` (committed, the consumer group's offsets not yet mirrored), in a
-bulk `ingest` and in each `watch` part alike."""
+bulk `ingest`, in each `watch` part and in `redrive` alike."""
 
 from __future__ import annotations
 

@@ -29,9 +29,11 @@ from pyiceberg.exceptions import CommitStateUnknownException
 from pyiceberg.expressions import And, EqualTo, In, Or
 from pyiceberg.manifest import DataFile
 
+from app import metrics
 from app.config import IngestConfig, Settings
 from app.data import kafka
 from app.data.catalog import dumps
+from app.data.faults import fault
 from app.data.ingest import open_table
 from app.data.maintenance import erase_user
 from app.data.preprocess import preprocess_batches
@@ -240,6 +242,9 @@ def redrive(settings: Settings, cfg: IngestConfig, connection: kafka.KafkaConnec
         if report.accounted() != report.read:  # every dead letter read is in exactly one count
             raise RuntimeError(f"redrive accounted for {report.accounted()} of {report.read} dead letters")
         report.seconds = time.perf_counter() - started
+        metrics.inc("argus_records_redriven", report.redriven, topic=settings.topic)
+        for reason, count in report.stayed_dead.items():
+            metrics.inc("argus_redrive_stayed_dead", count, topic=settings.topic, reason=reason)
         return report
     raise RuntimeError(
         f"redrive of {settings.dlq_topic}: {PLAN_ATTEMPTS} plans in a row lost to other writers"
@@ -285,6 +290,7 @@ def _redrive_once(
         if not rows.num_rows:
             return report
         _write(table, rows, files)
+        fault("after_write")
         offsets: dict[int, set[int]] = defaultdict(set)
         for p, o in zip(rows.column("kafka_partition").to_pylist(), rows.column("kafka_offset").to_pylist()):
             offsets[p].add(o)
@@ -298,6 +304,7 @@ def _redrive_once(
         }
         if cfg.features:
             details[FEATURES_WEIGHTS_KEY] = cfg.weights or ""
+        fault("before_commit")
         report.snapshot_id = table.commit_redrive(
             files, settings.topic, planned_from, dict(offsets), set(users), details
         )
@@ -306,6 +313,7 @@ def _redrive_once(
     except BaseException:
         table.discard(files)
         raise
+    fault("after_commit")
     report.redriven = rows.num_rows
     _erase_again(table, users)
     return report

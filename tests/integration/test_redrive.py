@@ -22,7 +22,7 @@ from app.data.selection import chw_images
 from app.data.table import ImageTable
 from app.transform import normalize_pixels, preprocess
 
-from conftest import run_cli, send, settings_args
+from conftest import MetricsWatcher, run_cli, send, settings_args
 
 
 def table_of(settings) -> ImageTable:
@@ -93,8 +93,13 @@ def test_redrive_after_adding_a_class_ingests_exactly_the_newly_valid_records_on
     p, _ = source_of(c_letter)
     publish_dead_letter(settings, c_letter, source_offset=str(committed[p] + 3))
 
-    report = redrive(abc, cfg, settings.kafka_connection())
+    exported = ("ray_argus_records_redriven_total", "ray_argus_redrive_stayed_dead_total")
+    with MetricsWatcher(ray_cluster, *exported, match=f'topic="{settings.topic}"') as watched:
+        report = redrive(abc, cfg, settings.kafka_connection())
     assert (report.read, report.redriven, report.duplicates) == (13, 8, 1), report
+    assert watched.seen[exported[0]][-1].endswith(" 8.0"), watched.seen
+    assert 'reason="undecodable_image"' in watched.seen[exported[1]][-1], watched.seen
+    assert watched.seen[exported[1]][-1].endswith(" 2.0"), watched.seen
     assert (report.pending, report.other_topics, report.in_table) == (1, 1, 0), report
     assert dict(report.stayed_dead) == {"undecodable_image": 2}, report
     rows = table.scan(report.snapshot_id).to_pylist()
@@ -169,3 +174,29 @@ def test_a_dead_letter_stored_as_a_payload_is_redriven_and_a_tampered_one_stays_
     assert sorted(coordinates_of(rows)) == sorted(
         {xy for xy, r in zip(coordinates, records) if r[2] == "a"} | {kept}
     )
+
+
+def test_a_redrive_killed_at_each_step_of_its_commit_and_rerun_adds_each_record_once(settings, ray_cluster):
+    records = labelled(9, seed=63, labels=["a", "b", "c"])
+    coordinates = send(settings, records)
+    newly_valid = {xy for xy, r in zip(coordinates, records) if r[2] == "c"}
+    ab = dataclasses.replace(settings, classes=("a", "b"))
+    first = ingest(ab, IngestConfig(), settings.kafka_connection())
+    assert (first.records, first.dlq) == (6, 3)
+    table = table_of(settings)
+    args = ["redrive", *settings_args(settings), "--classes", "a,b,c"]
+    args += ["--ray-address", ray.get_runtime_context().gcs_address]
+
+    for point in ("after_write", "before_commit"):
+        snapshots = len(table.load().snapshots())
+        killed = run_cli(*args, env={"ARGUS_FAULT": point})
+        assert killed.returncode == 137, (point, killed.stderr[-2000:])
+        assert len(table.load().snapshots()) == snapshots, point  # nothing committed
+    killed = run_cli(*args, env={"ARGUS_FAULT": "after_commit"})
+    assert killed.returncode == 137, killed.stderr[-2000:]
+    rerun = run_cli(*args)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "redriven 0 of 3 dead letters" in rerun.stdout and "already in the table 3" in rerun.stdout
+    rows = table.scan(table.current_snapshot_id()).to_pylist()
+    assert sorted(coordinates_of(rows)) == sorted(coordinates)  # the 6 ingested and the 3 redriven, once
+    assert {xy for xy, r in zip(coordinates_of(rows), rows) if r["label"] == "c"} == newly_valid
