@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from functools import cache
@@ -13,9 +14,21 @@ _handed_out: set[int] = set()
 _random = random.SystemRandom()  # whatever a caller seeds `random` with, processes draw apart
 
 
+PORT_RANGE_ENV = "ARGUS_PORT_RANGE"
+"""`LOW-HIGH` (inclusive): the ports `free_port` draws from instead. Processes that share a host and
+draw at once, such as the test suite's parallel workers, each get a range of their own, so none can
+draw a port another drew and has not bound yet."""
+
+
 @cache
 def _below_ephemeral() -> range:
-    """Ports from LOWEST_PORT up to where the kernel's ephemeral range begins (Linux: 32768)."""
+    """Ports from LOWEST_PORT up to where the kernel's ephemeral range begins (Linux: 32768), or
+    the range PORT_RANGE_ENV names."""
+    if named := os.environ.get(PORT_RANGE_ENV):
+        low, _, high = named.partition("-")
+        if not (low.isdigit() and high.isdigit() and 0 < int(low) <= int(high) < 65536):
+            raise ValueError(f"{PORT_RANGE_ENV} must be LOW-HIGH, ports from 1 to 65535; it is {named!r}")
+        return range(int(low), int(high) + 1)
     try:
         start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):

@@ -1,5 +1,8 @@
 """Shared fixtures: one real embedded broker and one real local Ray for the session; each test
-gets its own topic and storage dir, so tests never see each other's records."""
+gets its own topic and storage dir, so tests never see each other's records.
+
+`make test` runs the suite in two pytest-xdist workers, a test file to each at a time
+(`--dist loadfile`): each worker is a session of its own, with its own broker, Ray and servers."""
 
 from __future__ import annotations
 
@@ -21,6 +24,55 @@ from app.data.records import record_headers
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_IMAGE_SIZE = 32
+
+
+def _own_ports() -> None:
+    """Under pytest-xdist, this worker's share of the ports `free_port` draws, for it and the
+    processes it starts (they inherit the environment): two workers never draw the same port."""
+    from app import net
+
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker or not count or net.PORT_RANGE_ENV in os.environ:
+        return
+    ports = net._below_ephemeral()
+    share = len(ports) // int(count)
+    low = ports.start + int(worker.removeprefix("gw")) * share
+    os.environ[net.PORT_RANGE_ENV] = f"{low}-{low + share - 1}"
+    net._below_ephemeral.cache_clear()
+
+
+_own_ports()
+
+# The longest files first, so that the two workers finish together: each takes the next file when
+# it is done with one, and a long file started last would run on alone (`pytest_collection_modifyitems`).
+LONGEST_FILES = (
+    "test_multinode.py",
+    "test_train.py",
+    "test_fl_deployment.py",
+    "test_jobs.py",
+    "test_serve.py",
+    "test_watch.py",
+    "test_serve_autoscaling.py",
+    "test_ingest.py",
+    "test_s3.py",
+    "test_bench_gpu.py",
+    "test_serve_rollout.py",
+    "test_demo.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Unit tests first (a red one shows in the first minutes), then the integration tests, the
+    longest files first; within a file, the order it is written in."""
+
+    def rank(item) -> tuple[int, int]:
+        path = Path(str(item.fspath))
+        if "unit" in path.parts:
+            return (0, 0)
+        name = path.name
+        return (1, LONGEST_FILES.index(name)) if name in LONGEST_FILES else (2, 0)
+
+    items.sort(key=rank)  # stable: files and tests otherwise keep their collected order
 
 
 @pytest.fixture(scope="session")
