@@ -105,6 +105,29 @@ def _migrate(settings: Settings, args) -> int:
     return 0
 
 
+def _log_ends(settings: Settings) -> dict[int, int] | None:
+    """The topic's proven log ends, recorded with an erasure: the user's records below them are the
+    erased ones. None where no broker holds the topic (none configured or running, or unreachable):
+    the erasure then covers every record of the user, later ones too."""
+    from app.data import kafka
+    from app.data.broker import recorded_broker
+
+    servers = settings.bootstrap_servers
+    if not servers and settings.is_local_storage:
+        servers = recorded_broker(settings.local_storage_path)
+    if not servers:
+        return None
+    try:
+        connection = settings.kafka_connection(servers)
+        ends = kafka.probe_partitions(
+            connection, settings.topic, kafka.partitions_of(connection, settings.topic)
+        )
+    except Exception as exc:  # the erasure must not wait on Kafka: it then covers every record
+        log.warning("erase: the topic's ends could not be read (%s); every record of the user is erased", exc)
+        return None
+    return {p: end.end for p, end in ends.items()}
+
+
 def _erase(settings: Settings, args, cfg) -> int:
     from app.data.maintenance import erase_dead_letters, erase_user
     from app.data.table import ImageTable
@@ -112,9 +135,13 @@ def _erase(settings: Settings, args, cfg) -> int:
 
     # A storage without the table holds none of the user's rows: say so rather than create one.
     images = ImageTable.at(settings.storage, settings.catalog, settings.table, create=False)
-    report = erase_user(images, cfg.user)
+    ends = _log_ends(settings)
+    report = erase_user(images, cfg.user, ends)
     report.dead_letter_payloads = erase_dead_letters(Store.at(settings.uri("dlq")), cfg.user)
     print(report)
+    # A user is erased from every table of the topic: `ingest --from` made the others from it.
+    for sibling in images.siblings(settings.topic):
+        print(f"{sibling.identifier}: {erase_user(sibling, cfg.user, ends)}")
     print(report.outside_the_table())
     return 0
 

@@ -26,8 +26,9 @@ class Reason(StrEnum):
     OUT_OF_MEMORY = "out_of_memory"
     """Decoding ran out of memory: the record's dead letter, not the ingest's crash."""
     ERASED = "erased"
-    """`redrive` only: the record's user was erased (`argus erase --user`); its dead letters, which
-    the Kafka topic keeps, stay dead."""
+    """The record's user was erased (`argus erase --user`) after it was sent (`app.data.table.
+    Erasures`): its dead letter holds only its coordinates, and redrive leaves it and the user's
+    earlier dead letters dead."""
     BAD_PAYLOAD = "bad_payload"
     """`redrive` only: a dead letter's stored value (`payload_uri`) is outside `<storage>/dlq/`,
     missing, or not the size and SHA-256 its headers name."""

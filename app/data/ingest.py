@@ -35,11 +35,12 @@ from app.data.kafka_range import (
     read_ranges,
     streaming_blocks,
 )
+from app.data.maintenance import erase_late, inherit_erasures
 from app.data.plan import Pending, commit_ranges, pending_ranges, report_lost
 from app.data.preprocess import preprocess_batches
 from app.data.proof import WriteStats, prove
 from app.data.sink import SinkTarget, TableSink
-from app.data.table import FEATURES_WEIGHTS_KEY, ImageTable, OffsetConflict
+from app.data.table import FEATURES_WEIGHTS_KEY, Erasures, ImageTable, OffsetConflict
 from app.storage import Store
 
 log = logging.getLogger(__name__)
@@ -77,14 +78,18 @@ class IngestReport:
 
 def open_table(settings: Settings, cfg: IngestConfig) -> ImageTable:
     """The table every writer of these settings commits to, created on first use with the columns
-    `cfg` asks for (`source` with --keep-source, `features` with --features)."""
-    return ImageTable.at(
+    `cfg` asks for (`source` with --keep-source, `features` with --features). A table with no
+    commit yet takes the erasures of the other tables of its topic (`inherit_erasures`)."""
+    table = ImageTable.at(
         settings.storage,
         settings.catalog,
         settings.table,
         source=cfg.keep_source,
         features=bool(cfg.features),
     )
+    if table.current_snapshot_id() is None:
+        inherit_erasures(table, settings.topic)
+    return table
 
 
 def commit_details(
@@ -138,6 +143,7 @@ def _ingest_once(
     started: float,
 ) -> IngestReport:
     topic = settings.topic
+    erasures = Erasures.of(table.load())  # read before the plan: an erasure after it is erase_late's
     pending = pending_ranges(table, connection, topic, cfg.start_from)
     if not pending.ranges and not pending.origin:
         return IngestReport(None, 0, 0, {}, time.perf_counter() - started, 0)
@@ -159,7 +165,7 @@ def _ingest_once(
             pending.visible_ends,
         )
         with streaming_blocks():
-            dataset = preprocess_batches(read_ranges(source), settings, cfg)
+            dataset = preprocess_batches(read_ranges(source), settings, cfg, erasures=erasures)
         offsets = sum(end - start for start, end in ranges.values())
         data = Store.at(f"{table.load().location().rstrip('/')}/data")
         with progress_lines(data, offsets, since_s=time.time() - 1):
@@ -193,6 +199,7 @@ def _ingest_once(
         table.discard(stats.files)
         raise
     fault("after_commit")
+    erase_late(table, erasures, stats.files)
     ends = {p: end for p, (_, end) in ranges.items()}
     kafka.commit_offsets(connection, cfg.group, topic, ends)
     report = IngestReport(

@@ -16,6 +16,7 @@ retained snapshot names them; what a pinned reader (a registered version's snaps
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 from pyiceberg.exceptions import CommitFailedException, CommitStateUnknownException
 from pyiceberg.expressions import AlwaysTrue, EqualTo
 from pyiceberg.io import FileIO
@@ -44,9 +46,11 @@ from app.data.table import (
     READER_TAG_PREFIX,
     TOPIC_KEY,
     WATERMARKS_KEY,
+    Erasures,
     ImageTable,
     _committed,
     _nearest,
+    erasure_ends,
 )
 from app.errors import ConfigError
 from app.storage import Store
@@ -106,12 +110,14 @@ class ErasureReport:
     files_deleted: int = 0
     dead_letter_payloads: int | None = None
     """Payloads deleted from `<storage>/dlq/` (None: not looked at)."""
+    ends: dict[int, int] | None = None
+    """The topic's log ends recorded with the erasure (None: every record of the user, none asked)."""
 
     def __str__(self) -> str:
         if not self.rows and not self.snapshots_expired:
             return (
                 f"erase: no rows of user {self.user_id!r} in the table; recorded as erased, so "
-                "redrive leaves their dead letters dead"
+                "their records and dead letters in Kafka stay out of it"
             )
         return (
             f"erase: {self.rows} rows of user {self.user_id!r} deleted "
@@ -127,9 +133,15 @@ class ErasureReport:
             if self.dead_letter_payloads is not None
             else ""
         )
+        through = (
+            f"below the topic's ends {self.ends}"
+            if self.ends is not None
+            else "all of them, later ones too (no broker was asked for the topic's ends)"
+        )
         return (
-            f"outside the table: {payloads}served traffic logs hold no user ids; the dead-letter "
-            "topic's records stay until its retention deletes them (redrive leaves them dead)"
+            f"outside the table: {payloads}served traffic logs hold no user ids; the topic's and the "
+            "dead-letter topic's records stay until retention deletes them, and ingest, watch and "
+            f"redrive keep the user's records out of the table: {through}"
         )
 
 
@@ -388,13 +400,15 @@ def remove_orphans(images: ImageTable, older_than_s: float) -> list[str]:
     return removed
 
 
-def record_erasure(images: ImageTable, user_id: str) -> None:
-    """Record `user_id` as erased in the table's properties (`ERASED_PREFIX` + its `user_digest`,
-    the date as value), so `redrive` leaves the user's dead letters, which Kafka keeps, dead."""
+def record_erasure(images: ImageTable, user_id: str, ends: dict[int, int] | None) -> None:
+    """Record `user_id` as erased in the table's properties (`ERASED_PREFIX` + its `user_digest`:
+    the date and the topic's log `ends`, see `app.data.table.Erasures`), so that ingest, watch and
+    redrive keep the records Kafka still holds of the user out of the table."""
     key = ERASED_PREFIX + user_digest(user_id)
+    record = _erasure_record(datetime.datetime.now(datetime.UTC).date().isoformat(), ends)
     for attempt in range(1, SWAP_ATTEMPTS + 1):
         txn = images.load().transaction()
-        txn.set_properties({key: datetime.datetime.now(datetime.UTC).date().isoformat()})
+        txn.set_properties({key: record})
         try:
             txn.commit_transaction()
             return
@@ -405,18 +419,76 @@ def record_erasure(images: ImageTable, user_id: str) -> None:
     raise CommitFailedException(f"erasure record: {SWAP_ATTEMPTS} swaps in a row lost to other writers")
 
 
-def erase_user(images: ImageTable, user_id: str) -> ErasureReport:
+def inherit_erasures(images: ImageTable, topic: str) -> int:
+    """Record in `images`, a table new to `topic`, the erasures of the other tables that hold it:
+    the user's records, which Kafka still holds, must not come back through a replay into a second
+    table. Returns how many users it recorded."""
+    inherited: dict[str, str] = {}
+    for sibling in images.siblings(topic):
+        for key, value in sibling.load().properties.items():
+            if key.startswith(ERASED_PREFIX):
+                inherited[key] = _wider(inherited.get(key), value)
+    own = images.load().properties
+    missing = {k: v for k, v in inherited.items() if own.get(k) != v}
+    if missing:
+        txn = images.load().transaction()
+        txn.set_properties(missing)
+        txn.commit_transaction()
+        log.info("table %s: %d erased users of topic %s recorded", images.identifier, len(missing), topic)
+    return len(missing)
+
+
+def _wider(first: str | None, second: str) -> str:
+    """One erasure record of a user that covers what two do (no ends: every record)."""
+    if first is None:
+        return second
+    a, b = erasure_ends(first), erasure_ends(second)
+    if a is None or b is None:
+        return first if a is None else second
+    date = max(json.loads(first)["date"], json.loads(second)["date"])
+    return _erasure_record(date, {p: max(a.get(p, 0), b.get(p, 0)) for p in a.keys() | b.keys()})
+
+
+def _erasure_record(date: str, ends: dict[int, int] | None) -> str:
+    record: dict = {"date": date}
+    if ends is not None:
+        record["ends"] = {str(p): end for p, end in sorted(ends.items())}
+    return dumps(record)
+
+
+def erase_late(images: ImageTable, planned: Erasures, files: Iterable[DataFile]) -> list[str]:
+    """After a commit of `files` whose writer read the erasures `planned`: a user erased since may
+    have rows in them (the erasure looked for rows before the commit landed), so erase them again.
+    Returns the users erased again."""
+    table = images.load()
+    now = Erasures.of(table)
+    late = now.since(planned)
+    files = list(files)
+    if not late or not files:
+        return []
+    held: set[str] = set()
+    for data_file in files:
+        with table.io.new_input(data_file.file_path).open() as stream:
+            held.update(pq.read_table(stream, columns=["user_id"]).column("user_id").to_pylist())
+    users = sorted(user for user in held if user_digest(user) in late)
+    for user in users:
+        log.warning("a user was erased while a commit of theirs was under way: erasing their new rows")
+        erase_user(images, user, now.ends[user_digest(user)])
+    return users
+
+
+def erase_user(images: ImageTable, user_id: str, ends: dict[int, int] | None = None) -> ErasureReport:
     """Delete every row of `user_id`: from the current snapshot (files rewritten without them), then
     from history, by expiring every older snapshot that still holds one (a registered version's
     included, and one a running reader pinned: the erasure outranks both) and deleting the files
     only those needed.
 
-    The user is recorded as erased first (`record_erasure`), before the rows are looked for: a
-    redrive checks for the record as it commits and once more after (`app.data.redrive`), so
-    however the two interleave, none of the user's dead letters stays in the table."""
-    report = ErasureReport(user_id)
+    The user is recorded as erased first (`record_erasure`), before the rows are looked for: every
+    writer checks for new records after it commits (`erase_late`; a redrive also as it commits), so
+    however the two interleave, none of the user's erased records stays in the table."""
+    report = ErasureReport(user_id, ends=ends)
     match = EqualTo("user_id", user_id)
-    record_erasure(images, user_id)
+    record_erasure(images, user_id, ends)
 
     def change(table: Table, base: Snapshot) -> Transaction | None:
         # Statistics only narrow the files down; each candidate is read to count what it holds.

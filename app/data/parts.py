@@ -26,11 +26,12 @@ from app.config import IngestConfig, Settings
 from app.data import kafka
 from app.data.faults import fault
 from app.data.ingest import commit_details
+from app.data.maintenance import erase_late
 from app.data.partitions import Restart
 from app.data.preprocess import PREPROCESS_ACTOR_CPUS, Preprocessor
 from app.data.proof import WriteStats, prove
 from app.data.sink import SinkTarget, write_blocks
-from app.data.table import ImageTable, OffsetConflict
+from app.data.table import Erasures, ImageTable, OffsetConflict
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,12 @@ class PartWriter:
     def ready(self) -> bool:
         return True
 
-    def write(self, raw: pa.Table) -> WriteStats:
+    def write(self, raw: pa.Table, erasures: Erasures) -> WriteStats:
+        """`raw` preprocessed and written; the records `erasures` (as the part was cut) covers
+        become dead letters that hold nothing of them."""
         from ray.data.block import BlockAccessor
 
+        self.preprocessor.erasures = erasures
         out = self.preprocessor(BlockAccessor.for_block(raw).to_batch_format("numpy"))
         block = BlockAccessor.batch_to_block(out)
         # An all-null column (unlabelled traffic) would be typed null; the table's are strings.
@@ -116,6 +120,8 @@ class Part:
     watermarks: dict[int, int]
     lost: dict[int, int]
     """Offsets retention deleted unread just below a range's start, recorded by this commit."""
+    erasures: Erasures
+    """The table's erasures when the part was cut: those that land later, `erase_late` handles."""
     refs: list
     oldest_ms: int | None
     records: int
@@ -197,6 +203,7 @@ class PartPipeline:
             ranges.setdefault(p, (next_offset[p], next_offset[p]))
         refs = []
         n = len(batch)
+        erasures = Erasures.of(self.table.load())
         if n:
             table = pa.Table.from_pydict(batch.rows, schema=kafka.RAW_SCHEMA)
             # Spread over the pool in chunks of at least --batch-size rows, one chunk per actor.
@@ -204,7 +211,7 @@ class PartPipeline:
             step = -(-n // chunks)
             for i, lo in enumerate(range(0, n, step)):
                 actor = self.pool[(self.cuts + i) % len(self.pool)]
-                refs.append(actor.write.remote(table.slice(lo, step)))
+                refs.append(actor.write.remote(table.slice(lo, step), erasures))
         per_partition: dict[int, int] = {}
         for p, gap_end in zip(batch.rows["partition"], batch.rows["gap_end"]):
             if gap_end is None:
@@ -216,6 +223,7 @@ class PartPipeline:
                 ranges,
                 {p: watermarks[p] for p in ranges if p in watermarks},
                 dict(lost),
+                erasures,
                 refs,
                 batch.oldest_ms,
                 batch.records,
@@ -282,4 +290,5 @@ class PartPipeline:
             self.table.discard(stats.files)
             raise Restart(f"part {part.number} of {self.target.topic} not committed: {exc}") from exc
         fault("after_commit")
+        erase_late(self.table, part.erasures, stats.files)
         return snapshot_id

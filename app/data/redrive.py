@@ -11,7 +11,8 @@ belong to an ingest that has not committed yet, offsets below where a table made
 begins were never its own, and offsets already rows of the snapshot this run planned from are left
 alone; the commit lands only on that snapshot or on commits that cannot hold its offsets
 (`ImageTable.commit_redrive`), else it plans again. Nothing is republished: what stays dead is
-counted by reason, and an erased user's dead letters stay dead.
+counted by reason, and the dead letters of an erased user's records from before the erasure stay
+dead (`app.data.table.Erasures`).
 """
 
 from __future__ import annotations
@@ -35,16 +36,16 @@ from app.data import kafka
 from app.data.catalog import dumps
 from app.data.faults import fault
 from app.data.ingest import open_table
-from app.data.maintenance import erase_user
+from app.data.maintenance import erase_late
 from app.data.preprocess import preprocess_batches
 from app.data.records import dead_letter_folder, header_fields, message_headers, user_digest
 from app.data.sink import table_rows
 from app.data.table import (
     FEATURES_WEIGHTS_KEY,
     TOPIC_KEY,
+    Erasures,
     ImageTable,
     OffsetConflict,
-    erased_users,
     origin,
 )
 from app.errors import ConfigError, Reason
@@ -64,10 +65,11 @@ DLQ_TOPIC_KEY = "argus.redrive.dlq_topic"
 STAYED_DEAD_KEY = "argus.redrive.stayed_dead"
 """JSON {reason: dead letters}: what this redrive left dead, and why."""
 
-UNFAITHFUL = frozenset({Reason.BAD_HEADER, Reason.HEADER_TOO_LONG})
-"""Reasons whose dead letter does not hold the record's headers as they were (an oversized field is
-left out, an invalid event time replaced by the Kafka timestamp): rebuilt, the record would pass as
-something it never was, so it stays dead. Nothing a later run configures changes these failures."""
+UNFAITHFUL = frozenset({Reason.BAD_HEADER, Reason.HEADER_TOO_LONG, Reason.ERASED})
+"""Reasons whose dead letter does not hold the record as it was (an oversized field is left out, an
+invalid event time replaced by the Kafka timestamp; an erased user's holds nothing of theirs):
+rebuilt, the record would pass as something it never was, so it stays dead. Nothing a later run
+configures changes these failures."""
 
 
 @dataclass(frozen=True)
@@ -267,7 +269,8 @@ def _redrive_once(
             )
     committed = table.committed(planned_from) if planned_from is not None else {}
     starts = origin(state)
-    candidates = _triage(letters, settings.topic, committed, starts, erased_users(state), report)
+    erasures = Erasures.of(state)
+    candidates = _triage(letters, settings.topic, committed, starts, erasures, report)
     present = _present(table, planned_from, candidates)
     report.in_table = sum(1 for c in candidates if c.coordinates in present)
     candidates = [c for c in candidates if c.coordinates not in present]
@@ -294,9 +297,7 @@ def _redrive_once(
         offsets: dict[int, set[int]] = defaultdict(set)
         for p, o in zip(rows.column("kafka_partition").to_pylist(), rows.column("kafka_offset").to_pylist()):
             offsets[p].add(o)
-        users: dict[str, set[str]] = defaultdict(set)
-        for user in rows.column("user_id").to_pylist():
-            users[user_digest(user)].add(user)
+        users = {user_digest(user) for user in rows.column("user_id").to_pylist()}
         details = {
             RECORDS_KEY: str(rows.num_rows),
             DLQ_TOPIC_KEY: settings.dlq_topic,
@@ -306,7 +307,7 @@ def _redrive_once(
             details[FEATURES_WEIGHTS_KEY] = cfg.weights or ""
         fault("before_commit")
         report.snapshot_id = table.commit_redrive(
-            files, settings.topic, planned_from, dict(offsets), set(users), details
+            files, settings.topic, planned_from, dict(offsets), users, erasures, details
         )
     except CommitStateUnknownException:
         raise  # the catalog may hold the commit: its files must stay
@@ -315,7 +316,7 @@ def _redrive_once(
         raise
     fault("after_commit")
     report.redriven = rows.num_rows
-    _erase_again(table, users)
+    erase_late(table, erasures, files)
     return report
 
 
@@ -324,7 +325,7 @@ def _triage(
     topic: str,
     committed: dict[int, int],
     starts: dict[int, int],
-    erased: set[str],
+    erasures: Erasures,
     report: RedriveReport,
 ) -> list[Candidate]:
     """The dead letters that may pass now, each once; the others counted in `report`."""
@@ -349,7 +350,7 @@ def _triage(
         if offset < starts.get(partition, 0):
             report.before_start += 1  # the DLQ is the topic's, shared by every table made from it
             continue
-        if user_digest(letter.user) in erased:
+        if erasures.covers(letter.user, partition, offset):
             report.stayed_dead[Reason.ERASED] += 1
             continue
         reason = letter.reason()
@@ -483,13 +484,3 @@ def _write(table: ImageTable, rows: pa.Table, files: list[DataFile]) -> None:
     step = max(1, int(rows.num_rows * WRITE_BYTES / max(rows.nbytes, 1)))
     for start in range(0, rows.num_rows, step):
         files.extend(table.write_files(rows.slice(start, step)))
-
-
-def _erase_again(table: ImageTable, users: dict[str, set[str]]) -> None:
-    """An erasure recorded after this redrive's commit checked for one may have looked for the
-    user's rows before the commit landed: erase those users again, now that their rows are in."""
-    erased = erased_users(table.load()) & set(users)
-    for digest in sorted(erased):
-        for user in sorted(users[digest]):
-            log.warning("redrive: a user was erased while it committed; erasing their redriven rows")
-            erase_user(table, user)

@@ -18,6 +18,7 @@ from app.data.proof import WriteStats
 from app.data.records import dead_letter_folder, record_headers
 from app.data.selection import hwc_bytes
 from app.data.table import ImageTable
+from app.errors import Reason
 from app.storage import Store
 
 
@@ -61,10 +62,13 @@ RECORD_OVERHEAD_BYTES = 512
 `max.message.bytes` limits the whole batch)."""
 
 
-def _dead_letter(row: dict, target: SinkTarget) -> tuple[bytes, list[tuple[str, bytes]]]:
-    """The DLQ record's value and headers; a record too large for the topic (key, value and headers
-    together) has its value stored under `<storage>/dlq/` and carries a pointer to it instead."""
-    headers = record_headers(row["label"], row["event_time"], row["device_id"])
+def _dead_letter(row: dict, target: SinkTarget) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+    """The DLQ record's key, value and headers; a record too large for the topic (key, value and
+    headers together) has its value stored under `<storage>/dlq/` and carries a pointer to it
+    instead. An erased user's record keeps only its coordinates and reason: nothing of the user."""
+    key = (row["key"] or "").encode()
+    erased = row["reason"] == Reason.ERASED
+    headers = [] if erased else record_headers(row["label"], row["event_time"], row["device_id"])
     headers += [
         ("error", row["error"].encode()),
         ("error_reason", row["reason"].encode()),
@@ -73,10 +77,12 @@ def _dead_letter(row: dict, target: SinkTarget) -> tuple[bytes, list[tuple[str, 
         ("source_offset", str(row["offset"]).encode()),
         ("source_timestamp", str(row["kafka_timestamp"]).encode()),  # for `redrive`'s rebuilt row
     ]
+    if erased:
+        return b"", b"", headers
     value = row["value"]
-    size = len(value) + len((row["key"] or "").encode()) + sum(len(k) + len(v) for k, v in headers)
+    size = len(value) + len(key) + sum(len(k) + len(v) for k, v in headers)
     if size + RECORD_OVERHEAD_BYTES <= target.dlq_max_bytes:
-        return value, headers
+        return key, value, headers
     # Named by its source coordinates (a rerun after a crash overwrites the same object), under its
     # user's folder (one user's are erased together).
     relative = f"{target.topic}/{dead_letter_folder(row['key'])}/{row['partition']}-{row['offset']}.bin"
@@ -86,7 +92,7 @@ def _dead_letter(row: dict, target: SinkTarget) -> tuple[bytes, list[tuple[str, 
         ("payload_size", str(digest.size).encode()),
         ("payload_sha256", digest.sha256.encode()),
     ]
-    return b"", headers
+    return key, b"", headers
 
 
 def table_rows(good: pa.Table) -> pa.Table:
@@ -150,10 +156,8 @@ def write_blocks(blocks, target: SinkTarget) -> WriteStats:
                     "reason",
                 ]
                 for row in table.take(bad).select(columns).to_pylist():
-                    value, headers = _dead_letter(row, target)
-                    future = producer.send(
-                        target.dlq_topic, key=(row["key"] or "").encode(), value=value, headers=headers
-                    )
+                    key, value, headers = _dead_letter(row, target)
+                    future = producer.send(target.dlq_topic, key=key, value=value, headers=headers)
                     future.add_errback(failures.append)
                     stats.dlq_errors[row["reason"]] += 1
             records = pc.and_(pc.is_null(table.column("error")), pc.less(table.column("gap_end"), 0))

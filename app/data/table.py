@@ -22,6 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -44,6 +45,7 @@ from app.data.catalog import (
     open_catalog,
     warehouse_uri,
 )
+from app.data.records import user_digest
 from app.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -70,9 +72,10 @@ READER_PIN_TTL_S = 3 * 86_400
 COMPACTED_KEY = "argus.compacted.files"
 """A compaction's summary: how many files it rewrote (it adds and removes no record)."""
 ERASED_PREFIX = "argus.erased."
-"""A table property per erased user, `argus.erased.<user_digest(user)>` = the erasure's date (UTC,
-ISO): `argus erase` cannot delete the user's dead letters from the Kafka DLQ topic, so `redrive`
-reads these (`erased_users`) and leaves them dead."""
+"""A table property per erased user, `argus.erased.<user_digest(user)>` = `{"date": ISO date (UTC),
+"ends": {partition: the topic's proven log end when the user was erased}}` (`Erasures`). Kafka keeps
+the user's records and dead letters until retention deletes them, so ingest, watch and redrive read
+these and leave every record of the user below those ends out of the table."""
 
 COMMIT_ATTEMPTS = 5
 """Catalog swaps one commit tries before giving up: a swap lost to a commit that left this one's
@@ -135,6 +138,20 @@ class ImageTable:
                 txn.set_properties(lost)
             table = self.catalog.load_table(self.identifier)
         return table
+
+    def siblings(self, topic: str) -> list[ImageTable]:
+        """The other tables of this catalog's namespace that hold `topic` (made from it by `ingest
+        --table NAME --from`): an erasure is of a user, so it reaches each of them."""
+        namespace = self.identifier.rsplit(".", 1)[0]
+        found = []
+        for identifier in self.catalog.list_tables(namespace):
+            name = ".".join(identifier)
+            if name == self.identifier:
+                continue
+            other = self.catalog.load_table(name)  # read only: not every table here need be Argus's
+            if _nearest(other, other.current_snapshot(), TOPIC_KEY) == topic:
+                found.append(ImageTable(self.catalog_uri, self.warehouse, name, create=False))
+        return found
 
     def current_snapshot_id(self) -> int | None:
         """The table's current snapshot: what a reader pins to (None before the first commit)."""
@@ -354,17 +371,19 @@ class ImageTable:
         planned_from: int,
         offsets: dict[int, set[int]],
         users: set[str],
+        erasures: Erasures,
         details: dict[str, str],
     ) -> int:
         """Append data files of records below the committed offsets (`app.data.redrive`'s dead
-        letters, at `offsets` {partition: offsets}, of the users whose `user_digest`s are `users`),
+        letters, at `offsets` {partition: offsets}, of the users whose `user_digest`s are `users`,
+        triaged under `erasures`),
         carrying the committed offsets, watermarks and topic forward unchanged; `details` (keys
         `argus.*`) go into the summary. Returns the new snapshot's id.
 
         The caller proved `offsets` absent from snapshot `planned_from`. A commit since then that
         cannot have added them (an ingest of other offsets, a compaction) leaves that proof
         standing, so the append goes onto it; any other (another redrive, an erasure, another
-        engine's), an erasure recorded for one of `users`, or `planned_from` gone from the history
+        engine's), an erasure of one of `users` since `erasures`, or `planned_from` gone from the history
         raises OffsetConflict: nothing committed, plan again."""
         from app.data.maintenance import carried_summary  # maintenance builds on this module
 
@@ -376,7 +395,7 @@ class ImageTable:
                 raise ConfigError(
                     f"table {self.identifier} holds topic {previous!r}, not {topic!r}: --table names another"
                 )
-            moved = _moved_under_redrive(table, base, planned_from, offsets, users)
+            moved = _moved_under_redrive(table, base, planned_from, offsets, users, erasures)
             if moved:
                 raise OffsetConflict(f"table {self.identifier}: {moved}; nothing committed, plan again")
             summary = {
@@ -413,16 +432,57 @@ def _append(
     return append.snapshot_id
 
 
-def erased_users(table: Table) -> set[str]:
-    """The `user_digest`s of the users `argus erase` erased from `table` (ERASED_PREFIX)."""
-    return {k.removeprefix(ERASED_PREFIX) for k in table.properties if k.startswith(ERASED_PREFIX)}
+@dataclass(frozen=True)
+class Erasures:
+    """The users `argus erase` erased from a table (ERASED_PREFIX), by `user_digest`: each with the
+    topic's log end per partition at the erasure, or None (every record of theirs: erased without a
+    broker to ask, or by an Argus before the ends were recorded; its value is a bare date).
+
+    A record of an erased user below its partition's end is one the erasure was about: it never
+    enters the table again, from a pending ingest, a replay or a redrive. Records past the ends
+    came after the erasure, and are the user's new data."""
+
+    ends: dict[str, dict[int, int] | None] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, table: Table) -> Erasures:
+        ends: dict[str, dict[int, int] | None] = {}
+        for key, value in table.properties.items():
+            if key.startswith(ERASED_PREFIX):
+                ends[key.removeprefix(ERASED_PREFIX)] = erasure_ends(value)
+        return cls(ends)
+
+    def covers(self, user: str | None, partition: int, offset: int) -> bool:
+        digest = user_digest(user)
+        if digest not in self.ends:
+            return False
+        ends = self.ends[digest]
+        return ends is None or offset < ends.get(partition, 0)
+
+    def since(self, earlier: Erasures) -> set[str]:
+        """The digests erased, or erased again, after `earlier` was read."""
+        return {digest for digest, ends in self.ends.items() if earlier.ends.get(digest, ()) != ends}
+
+
+def erasure_ends(value: str) -> dict[int, int] | None:
+    """The log ends an erasure record (ERASED_PREFIX) names; None: every record of the user."""
+    try:
+        ends = json.loads(value).get("ends")
+        return {int(p): int(end) for p, end in ends.items()} if ends is not None else None
+    except (ValueError, AttributeError, TypeError):  # a bare date: every record of the user
+        return None
 
 
 def _moved_under_redrive(
-    table: Table, base: Snapshot | None, planned_from: int, offsets: dict[int, set[int]], users: set[str]
+    table: Table,
+    base: Snapshot | None,
+    planned_from: int,
+    offsets: dict[int, set[int]],
+    users: set[str],
+    erasures: Erasures,
 ) -> str | None:
     """Why a redrive planned from `planned_from` may not commit onto `base`; None when it may."""
-    erased = erased_users(table) & users
+    erased = Erasures.of(table).since(erasures) & users
     if erased:
         return f"{len(erased)} of the redriven records' users were erased since it planned"
     for snapshot in ancestors_of(base, table.metadata):
@@ -452,10 +512,10 @@ def conform(rows: pa.Table, schema: pa.Schema) -> pa.Table:
     if extra:
         raise ValueError(f"columns {extra} are not in the table (created without them?)")
     missing = [f for f in schema if f.name not in rows.column_names]
-    for field in missing:
-        if not field.nullable:
-            raise ValueError(f"column {field.name!r} is required")
-        rows = rows.append_column(field, pa.nulls(rows.num_rows, field.type))
+    for column in missing:
+        if not column.nullable:
+            raise ValueError(f"column {column.name!r} is required")
+        rows = rows.append_column(column, pa.nulls(rows.num_rows, column.type))
     return rows.select(schema.names).cast(schema)
 
 

@@ -200,3 +200,52 @@ def test_a_redrive_killed_at_each_step_of_its_commit_and_rerun_adds_each_record_
     rows = table.scan(table.current_snapshot_id()).to_pylist()
     assert sorted(coordinates_of(rows)) == sorted(coordinates)  # the 6 ingested and the 3 redriven, once
     assert {xy for xy, r in zip(coordinates_of(rows), rows) if r["label"] == "c"} == newly_valid
+
+
+def test_an_erased_users_records_in_kafka_stay_out_of_ingest_redrive_and_a_replay_but_later_ones_go_in(
+    settings, ray_cluster
+):
+    ab = dataclasses.replace(settings, classes=("a", "b"))
+    image, now = labelled(1, seed=64, labels=["a"])[0][1], 1_767_225_600_000
+    before = send(
+        settings, [("alice", image, "a", now), ("bob", image, "a", now), ("alice", image, "c", now)]
+    )
+    assert ingest(ab, IngestConfig(), settings.kafka_connection()).records == 2
+    pending = send(settings, [("alice", image, "a", now), ("bob", image, "b", now)])  # sent, not ingested
+
+    erased = run_cli("erase", *settings_args(settings), "--user", "alice")
+    assert erased.returncode == 0, erased.stderr[-2000:]
+    assert "1 rows of user 'alice' deleted" in erased.stdout and "below the topic's ends" in erased.stdout
+    after = send(settings, [("alice", image, "b", now)])  # alice's new data, after the erasure
+
+    table = table_of(settings)
+    second = ingest(ab, IngestConfig(), settings.kafka_connection())
+    assert (second.records, second.dlq) == (2, 1)
+    rows = table.scan(second.snapshot_id).to_pylist()
+    assert sorted((r["user_id"], (r["kafka_partition"], r["kafka_offset"])) for r in rows) == sorted(
+        [("bob", before[1]), ("bob", pending[1]), ("alice", after[0])]
+    )
+    # The dead letter of alice's pending record holds nothing of her: no key, value, label or device.
+    letters = consume(settings, settings.dlq_topic, 2)
+    erased_letter = next(d for d in letters if source_of(d) == pending[0])
+    assert (erased_letter.key, erased_letter.value) == (b"", b"")
+    assert {k for k, _ in erased_letter.headers} == {
+        "error",
+        "error_reason",
+        "source_topic",
+        "source_partition",
+        "source_offset",
+        "source_timestamp",
+    }
+
+    abc = dataclasses.replace(settings, classes=("a", "b", "c"))
+    redriven = redrive(abc, IngestConfig(), settings.kafka_connection())
+    assert redriven.redriven == 0 and dict(redriven.stayed_dead) == {"erased": 2}, redriven
+
+    # A second table replayed from the topic's start holds no record of alice's from before.
+    replay = dataclasses.replace(ab, table="argus.replayed")
+    replayed = ingest(replay, IngestConfig(start_from="earliest"), settings.kafka_connection())
+    assert (replayed.records, replayed.dlq) == (3, 3)
+    rows = table_of(replay).scan(replayed.snapshot_id).to_pylist()
+    assert sorted(r["user_id"] for r in rows) == ["alice", "bob", "bob"]
+    assert [(r["kafka_partition"], r["kafka_offset"]) for r in rows if r["user_id"] == "alice"] == after

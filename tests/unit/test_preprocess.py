@@ -90,3 +90,36 @@ def test_decoded_pixels_are_resized_whenever_they_reach_the_budget(monkeypatch, 
     assert list(out["reason"]) == [None] * 12 and out["image"].any(axis=(1, 2, 3)).all()
     assert sum(held) == 12 * reduced and len(held) > 1, held
     assert max(held) < preprocess.PIXEL_BUDGET + reduced, held
+
+
+def test_an_erased_users_records_before_the_erasure_are_dead_letters_that_keep_nothing_of_them():
+    from app.data.records import user_digest
+    from app.data.sink import SinkTarget, _dead_letter
+    from app.data.table import Erasures
+
+    batch = _batch([_png(40, 40)] * 5)
+    batch["key"] = np.array(["alice", "alice", "bob", "alice", "carol"], dtype=object)
+    batch["device_id"] = np.array(["alices-phone"] * 5, dtype=object)
+    batch["partition"] = np.array([0, 1, 0, 0, 0], dtype=np.int32)
+    batch["offset"] = np.array([3, 3, 4, 5, 6])
+    # alice erased when partition 0 ended at 5 (and partition 1 had nothing); carol with no ends known.
+    erasures = Erasures({user_digest("alice"): {0: 5}, user_digest("carol"): None})
+    out = Preprocessor(image_size=32, classes=["normal"], max_record_bytes=10**6, erasures=erasures)(batch)
+    # Before the end: erased. Past it, or in a partition that had nothing then: alice's new data.
+    assert list(out["reason"]) == ["erased", None, None, None, "erased"]
+    assert list(out["value"][[0, 4]]) == [b"", b""] and not out["image"][[0, 4]].any()
+
+    row = {name: out[name][0] for name in ("partition", "offset", "kafka_timestamp", "key", "value")}
+    row.update({name: out[name][0] for name in ("label", "event_time", "device_id", "error", "reason")})
+    target = SinkTarget(None, None, None, "behavior", "behavior.dlq", 1_000_000)
+    key, value, headers = _dead_letter(row, target)
+    assert (key, value) == (b"", b"")
+    assert [name for name, _ in headers] == [
+        "error",
+        "error_reason",
+        "source_topic",
+        "source_partition",
+        "source_offset",
+        "source_timestamp",
+    ]
+    assert not any(b"alice" in v for _, v in headers)

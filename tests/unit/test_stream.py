@@ -23,7 +23,7 @@ from app.data.parts import WRITER_KEY, Batch, Part, PartPipeline
 from app.data.proof import WriteStats
 from app.data.selection import select
 from app.data.sink import SinkTarget
-from app.data.table import ImageTable
+from app.data.table import Erasures, ImageTable
 from app.data.watch import STUCK_AFTER, Upkeep, WatchConfig
 from app.storage import Store
 
@@ -72,7 +72,7 @@ def _written(table: ImageTable, partition: int, offsets: range) -> WriteStats:
 
 
 def _part(number: int, ranges: dict, lost: dict | None = None) -> Part:
-    return Part(number, ranges, {}, lost or {}, [], None, 0, {}, 0.0)
+    return Part(number, ranges, {}, lost or {}, Erasures(), [], None, 0, {}, 0.0)
 
 
 def test_a_part_whose_partition_another_writer_committed_first_is_dropped_files_and_all(root):

@@ -5,6 +5,7 @@ and by reading every Parquet file left on disk."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -254,11 +255,12 @@ def test_erase_where_there_is_no_table_refuses_and_creates_nothing(tmp_path, cli
     assert not plain.table_exists("argus.other")
 
 
-def test_an_erasure_is_recorded_so_that_redrive_leaves_the_users_dead_letters_dead(tmp_path):
+def test_an_erasure_is_recorded_so_that_redrive_leaves_the_users_earlier_dead_letters_dead(tmp_path):
     """Kafka keeps the DLQ topic's records, so `erase` records each user it erased in the table's
-    properties (by digest, as the payload folders name them: no user id in the metadata) and redrive
-    leaves their dead letters dead, whether the user had rows or only dead letters, and also when
-    the erasure lands between a redrive's plan and its commit."""
+    properties (by digest, as the payload folders name them: no user id in the metadata) with the
+    topic's log ends, and redrive leaves their dead letters below those ends dead (all of them when
+    no ends were recorded), whether the user had rows or only dead letters, and also when the
+    erasure lands between a redrive's plan and its commit. A later record of the user is new data."""
     import datetime
 
     import pytest
@@ -266,17 +268,17 @@ def test_an_erasure_is_recorded_so_that_redrive_leaves_the_users_dead_letters_de
     from app.data.maintenance import erase_user
     from app.data.records import record_headers, user_digest
     from app.data.redrive import DeadLetter, RedriveReport, _triage
-    from app.data.table import OffsetConflict, erased_users
+    from app.data.table import Erasures, OffsetConflict
 
     table = ImageTable.at(str(tmp_path))
     table.commit(with_users(batch(0, range(4)), ["alice", "bob", "alice", "bob"]), {0: (0, 7)}, 3, TOPIC)
-    erase_user(table, "alice")
-    erase_user(table, "carol")  # no rows, only dead letters: recorded all the same
+    erase_user(table, "alice")  # no broker was asked: every record of alice's
+    erase_user(table, "carol", ends={0: 6, 1: 0})  # no rows, only dead letters: recorded all the same
     today = datetime.datetime.now(datetime.UTC).date().isoformat()
     properties = pyiceberg_alone(tmp_path).properties
-    assert {k: v for k, v in properties.items() if k.startswith("argus.erased.")} == {
-        f"argus.erased.{user_digest('alice')}": today,
-        f"argus.erased.{user_digest('carol')}": today,
+    assert {k: json.loads(v) for k, v in properties.items() if k.startswith("argus.erased.")} == {
+        f"argus.erased.{user_digest('alice')}": {"date": today},
+        f"argus.erased.{user_digest('carol')}": {"date": today, "ends": {"0": 6, "1": 0}},
     }
     assert not any("alice" in k or "alice" in v for k, v in properties.items())
     assert table.committed() == {0: 7}
@@ -290,20 +292,50 @@ def test_an_erasure_is_recorded_so_that_redrive_leaves_the_users_dead_letters_de
         ]
         return DeadLetter(user.encode(), b"image bytes", dict(headers), 0)
 
-    letters = [dead_letter("alice", 4), dead_letter("bob", 5, label=None), dead_letter("carol", 6)]
-    report = RedriveReport("dlq", read=3)
-    candidates = _triage(letters, TOPIC, table.committed(), {}, erased_users(table.load()), report)
-    assert [(c.letter.user, c.coordinates, c.row["label"]) for c in candidates] == [("bob", (0, 5), None)]
-    assert report.stayed_dead == {"erased": 2}
+    letters = [
+        dead_letter("alice", 4),
+        dead_letter("bob", 5, label=None),
+        dead_letter("carol", 2),
+        dead_letter("carol", 6),  # at the end recorded with carol's erasure: sent after it
+    ]
+    report = RedriveReport("dlq", read=4)
+    candidates = _triage(letters, TOPIC, table.committed(), {}, Erasures.of(table.load()), report)
+    assert [(c.letter.user, c.coordinates) for c in candidates] == [("bob", (0, 5)), ("carol", (0, 6))]
+    assert report.stayed_dead == {"erased": 2}, report
 
     # Planned before dave's erasure, committed after it: refused (the redrive plans again).
-    planned = table.current_snapshot_id()
+    planned, erasures = table.current_snapshot_id(), Erasures.of(table.load())
     files = table.write_files(with_users(batch(0, [5]), ["dave"]))
     erase_user(table, "dave")  # no rows: only the property changes, no snapshot
     assert table.current_snapshot_id() == planned
     with pytest.raises(OffsetConflict, match="erased"):
-        table.commit_redrive(files, TOPIC, planned, {0: {5}}, {user_digest("dave")}, {})
+        table.commit_redrive(files, TOPIC, planned, {0: {5}}, {user_digest("dave")}, erasures, {})
     assert table.current_snapshot_id() == planned
+    # Planned after it, carol's later record commits: her erasure is not news to this redrive.
+    files = table.write_files(with_users(batch(0, [6]), ["carol"]))
+    erasures = Erasures.of(table.load())
+    committed = table.commit_redrive(files, TOPIC, planned, {0: {6}}, {user_digest("carol")}, erasures, {})
+    assert sorted(r["user_id"] for r in table.scan(committed).to_pylist()) == ["bob", "bob", "carol"]
+
+
+def test_a_commit_that_lands_after_its_users_erasure_has_their_rows_erased_again(tmp_path):
+    """Erase looks for rows before a commit under way lands; that writer, having read the erasures
+    before its plan, finds the new one after its commit and erases the user's rows again."""
+    from app.data.maintenance import erase_late, erase_user
+    from app.data.table import Erasures
+
+    table = ImageTable.at(str(tmp_path))
+    planned = Erasures.of(table.load())
+    files = table.write_files(with_users(batch(0, range(3)), ["alice", "bob", "alice"]))
+    erase_user(table, "alice", ends={0: 3})  # finds no rows: they are not committed yet
+    table.commit_files(files, {0: (0, 3)}, 0, TOPIC)
+    assert erase_late(table, planned, files) == ["alice"]
+    assert [r["user_id"] for r in table.scan(table.current_snapshot_id()).to_pylist()] == ["bob"]
+    assert all(
+        "alice" not in table.scan(s.snapshot_id, ["user_id"]).column(0).to_pylist()
+        for s in table.load().snapshots()
+    )
+    assert erase_late(table, Erasures.of(table.load()), files) == []  # nothing new since
 
 
 def test_a_10000_commit_history_plans_commits_and_shrinks_to_what_is_pinned(tmp_path):
