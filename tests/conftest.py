@@ -24,6 +24,15 @@ from app.data.records import record_headers
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_IMAGE_SIZE = 32
+ERASED_LETTER_HEADERS = (
+    "error",
+    "error_reason",
+    "source_topic",
+    "source_partition",
+    "source_offset",
+    "source_timestamp",
+)
+"""All the headers an erased user's dead letter may carry: its coordinates and reason, nothing of theirs."""
 
 
 def _own_ports() -> None:
