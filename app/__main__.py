@@ -129,7 +129,7 @@ def _log_ends(settings: Settings) -> dict[int, int] | None:
 
 
 def _erase(settings: Settings, args, cfg) -> int:
-    from app.data.maintenance import erase_dead_letters, erase_user
+    from app.data.erasure import erase_dead_letters, erase_user
     from app.data.table import ImageTable
     from app.storage import Store
 
@@ -346,7 +346,7 @@ COMMANDS = {
         "delete one user's rows from the Iceberg table, its history included, and say what went",
         _erase,
         options.add_erase,
-        ("app.data.maintenance:EraseConfig",),
+        ("app.data.erasure:EraseConfig",),
     ),
     "drift": Command(
         "compare served traffic with the training snapshot; --retrain submits a job",

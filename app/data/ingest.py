@@ -27,6 +27,7 @@ from app import metrics
 from app.config import IngestConfig, Settings
 from app.data import kafka
 from app.data.catalog import dumps
+from app.data.erasure import erase_late, inherit_erasures
 from app.data.faults import fault
 from app.data.kafka_range import (
     IO_TASK_CPUS,
@@ -35,7 +36,6 @@ from app.data.kafka_range import (
     read_ranges,
     streaming_blocks,
 )
-from app.data.maintenance import erase_late, inherit_erasures
 from app.data.plan import Pending, commit_ranges, pending_ranges, report_lost
 from app.data.preprocess import preprocess_batches
 from app.data.proof import WriteStats, prove

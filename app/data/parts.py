@@ -24,9 +24,9 @@ import ray
 from app import metrics
 from app.config import IngestConfig, Settings
 from app.data import kafka
+from app.data.erasure import erase_late
 from app.data.faults import fault
 from app.data.ingest import commit_details
-from app.data.maintenance import erase_late
 from app.data.partitions import Restart
 from app.data.preprocess import PREPROCESS_ACTOR_CPUS, Preprocessor
 from app.data.proof import WriteStats, prove

@@ -34,9 +34,9 @@ from app import metrics
 from app.config import IngestConfig, Settings
 from app.data import kafka
 from app.data.catalog import dumps
+from app.data.erasure import erase_late
 from app.data.faults import fault
 from app.data.ingest import open_table
-from app.data.maintenance import erase_late
 from app.data.preprocess import preprocess_batches
 from app.data.records import dead_letter_folder, header_fields, message_headers, user_digest
 from app.data.sink import table_rows

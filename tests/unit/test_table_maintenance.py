@@ -265,7 +265,7 @@ def test_an_erasure_is_recorded_so_that_redrive_leaves_the_users_earlier_dead_le
 
     import pytest
 
-    from app.data.maintenance import erase_user
+    from app.data.erasure import erase_user
     from app.data.records import record_headers, user_digest
     from app.data.redrive import DeadLetter, RedriveReport, _triage
     from app.data.table import Erasures, OffsetConflict
@@ -321,7 +321,7 @@ def test_an_erasure_is_recorded_so_that_redrive_leaves_the_users_earlier_dead_le
 def test_a_commit_that_lands_after_its_users_erasure_has_their_rows_erased_again(tmp_path):
     """Erase looks for rows before a commit under way lands; that writer, having read the erasures
     before its plan, finds the new one after its commit and erases the user's rows again."""
-    from app.data.maintenance import erase_late, erase_user
+    from app.data.erasure import erase_late, erase_user
     from app.data.table import Erasures
 
     table = ImageTable.at(str(tmp_path))
