@@ -20,7 +20,8 @@ demo: $(BIN)/argus
 # Every test: lint first (seconds), then unit and integration tests (real broker, Ray, MLflow, HTTP)
 # in two workers, a file to each at a time, in the order tests/conftest.py gives (unit tests, then
 # the longest files first). Much of the suite waits (Flower's 3 s polls, group joins, rollouts), so
-# two workers on 2 cores took 0.75x the time of one. The durations report closes the log.
+# two workers on 2 cores took 0.71-0.84x the pytest time of one (clean-clone runs hours apart on the
+# same machine, see the README). The durations report closes the log.
 TEST_WORKERS ?= 2
 test: lint
 	$(BIN)/python -m pytest -v --durations=40 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
