@@ -9,7 +9,6 @@ import dataclasses
 import datetime
 import os
 import re
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -17,6 +16,7 @@ from urllib.parse import urlsplit
 from app.data.kafka import KafkaConnection
 from app.data.kafka_config import load_kafka_config
 from app.errors import ConfigError
+from app.net import host_port
 
 MODELS = ("resnet50", "resnet18", "cnn")
 AMP_MODES = ("auto", "off", "bf16", "fp16")
@@ -81,7 +81,7 @@ class Settings:
             _require(len(set(self.classes)) == len(self.classes), "--classes has duplicates")
         if self.bootstrap_servers is not None:
             for server in self.bootstrap_servers.split(","):
-                _parse_host_port(server)
+                host_port(server)
         _require(
             len(self.table.split(".")) >= 2 and all(self.table.split(".")),
             f"--table must be namespace.table, got {self.table!r}",
@@ -132,28 +132,6 @@ class Settings:
         """A path under the storage root, as a URI pyarrow understands."""
         root = str(self.local_storage_path) if self.is_local_storage else self.storage.rstrip("/")
         return "/".join([root, *parts])
-
-
-def _parse_host_port(server: str) -> tuple[str, int]:
-    host, sep, port = server.strip().rpartition(":")
-    _require(
-        bool(sep and host and port.isdigit() and 0 < int(port) < 65536),
-        f"bad bootstrap server {server!r}: expected host:port",
-    )
-    return host, int(port)
-
-
-def check_reachable(bootstrap_servers: str, timeout_s: float = 3.0) -> None:
-    """Fail at the edge (exit 2) when no bootstrap server accepts a TCP connection."""
-    errors = []
-    for server in bootstrap_servers.split(","):
-        host, port = _parse_host_port(server)
-        try:
-            with socket.create_connection((host, port), timeout=timeout_s):
-                return
-        except OSError as exc:
-            errors.append(f"{server}: {exc.strerror or exc}")
-    raise ConfigError(f"Kafka bootstrap servers unreachable ({'; '.join(errors)})")
 
 
 @dataclass(kw_only=True)
@@ -412,21 +390,3 @@ def build_settings(namespace) -> Settings:
     if isinstance(values.get("classes"), str):
         values["classes"] = tuple(c.strip() for c in values["classes"].split(",") if c.strip())
     return Settings(**values)
-
-
-__all__ = [
-    "AMP_MODES",
-    "ConfigError",
-    "IMAGENET_MEAN",
-    "IMAGENET_STD",
-    "IngestConfig",
-    "MODELS",
-    "ProduceConfig",
-    "ServeConfig",
-    "Settings",
-    "TrainConfig",
-    "build_settings",
-    "check_reachable",
-    "env_defaults",
-    "from_namespace",
-]

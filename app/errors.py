@@ -26,7 +26,7 @@ class Reason(StrEnum):
     OUT_OF_MEMORY = "out_of_memory"
     """Decoding ran out of memory: the record's dead letter, not the ingest's crash."""
     ERASED = "erased"
-    """The record's user was erased (`argus erase --user`) after it was sent (`app.data.table.
+    """The record's user was erased (`argus erase --user`) after it was sent (`app.data.metadata.
     Erasures`): its dead letter holds only its coordinates, and redrive leaves it and the user's
     earlier dead letters dead."""
     BAD_PAYLOAD = "bad_payload"

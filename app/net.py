@@ -1,4 +1,5 @@
-"""Loopback plumbing shared by the broker, Serve and the tests: free ports, reachability."""
+"""Network plumbing shared by the CLI, the broker, Serve and the tests: free loopback ports,
+reachability."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import random
 import socket
 from functools import cache
 from pathlib import Path
+
+from app.errors import ConfigError
 
 # Ray's workers take ports 10,002-19,999 by default: free ports are drawn above them.
 LOWEST_PORT = 20000
@@ -63,3 +66,24 @@ def accepts(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def check_reachable(bootstrap_servers: str, timeout_s: float = 3.0) -> None:
+    """Fail at the edge (exit 2) when no bootstrap server accepts a TCP connection."""
+    errors = []
+    for server in bootstrap_servers.split(","):
+        host, port = host_port(server)
+        try:
+            with socket.create_connection((host, port), timeout=timeout_s):
+                return
+        except OSError as exc:
+            errors.append(f"{server}: {exc.strerror or exc}")
+    raise ConfigError(f"Kafka bootstrap servers unreachable ({'; '.join(errors)})")
+
+
+def host_port(server: str) -> tuple[str, int]:
+    """`host:port` as (host, port); ConfigError (exit 2) when it is not one."""
+    host, sep, port = server.strip().rpartition(":")
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"bad bootstrap server {server!r}: expected host:port")
+    return host, int(port)

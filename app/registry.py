@@ -41,7 +41,7 @@ MAX_CLASSES = 1000
 PYFUNC_CODE = Path(__file__).with_name("pyfunc.py")
 PYFUNC_PACKAGE_FILES = (
     "__init__.py", "pyfunc.py", "registry.py", "model.py", "inference.py", "transform.py",
-    "config.py", "errors.py", "data/__init__.py", "data/kafka.py", "data/kafka_config.py",
+    "config.py", "errors.py", "net.py", "data/__init__.py", "data/kafka.py", "data/kafka_config.py",
     "data/records.py",
 )  # fmt: skip
 WEIGHTS_ARTIFACT, CARD_ARTIFACT = "weights", "card"

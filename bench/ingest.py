@@ -56,8 +56,9 @@ def ray_read(bootstrap: str, topic: str, partitions: list[int], records_per_bloc
     """What ingest does before preprocessing: probe the true ends, then read every range with Ray Data."""
     import pyarrow.compute as pc
 
-    from app.data.kafka import KafkaConnection, probe_end_offsets
+    from app.data.kafka import KafkaConnection
     from app.data.kafka_range import KafkaRangeDatasource, read_ranges, streaming_blocks
+    from app.data.probe import probe_end_offsets
 
     started = time.perf_counter()
     kafka = KafkaConnection(bootstrap)
@@ -491,7 +492,8 @@ def main() -> int:
                 pool = common.synthetic_pool(min(args.records, 1000), args.source_size, seed=1)
                 seconds = common.produce_records(bootstrap, topic, args.records, pool)
                 print(f"  produced {args.records} records in {seconds:.1f}s")
-                from app.data.kafka import KafkaConnection, partitions_of, probe_end_offsets
+                from app.data.kafka import KafkaConnection
+                from app.data.probe import partitions_of, probe_end_offsets
 
                 kafka = KafkaConnection(bootstrap)
                 partitions = partitions_of(kafka, topic)

@@ -71,7 +71,7 @@ def durable_lags(settings) -> tuple[list[float], int]:
     """Seconds from each record's Kafka timestamp to the table commit that made it durable, and the
     number of commits that carried offsets."""
     from app.data.backlog import existing_table
-    from app.data.table import RANGES_KEY
+    from app.data.metadata import RANGES_KEY
 
     table = existing_table(settings)
     snapshot_id = table.current_snapshot_id() if table else None

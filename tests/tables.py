@@ -177,3 +177,13 @@ def long_history(storage: Path, commits: int) -> ImageTable:
     images.catalog.register_table(images.identifier, location)
     assert Catalog.namespace_from(images.identifier)
     return images
+
+
+def pixels(rows: pa.Table) -> np.ndarray:
+    """The `pixels` column as uint8 images [n, height, width, 3] (all rows of one size)."""
+    sizes = set(zip(rows.column("height").to_pylist(), rows.column("width").to_pylist()))
+    if len(sizes) > 1:
+        raise ValueError(f"rows of several image sizes {sorted(sizes)}: select one first")
+    height, width = sizes.pop() if sizes else (0, 0)
+    flat = np.frombuffer(b"".join(rows.column("pixels").to_pylist()), dtype=np.uint8)
+    return flat.reshape(rows.num_rows, height, width, 3)

@@ -21,7 +21,8 @@ from pathlib import Path
 from app import metrics
 from app.config import Settings
 from app.data.catalog import catalog_uri, open_catalog, warehouse_uri
-from app.data.kafka import KafkaConnection, partitions_of, probe_partitions
+from app.data.kafka import KafkaConnection
+from app.data.probe import partitions_of, probe_partitions
 from app.data.table import ImageTable
 from app.errors import ConfigError
 

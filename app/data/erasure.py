@@ -6,7 +6,7 @@ Argus can reach outside it, and keeping the user's records that Kafka still hold
 
 Kafka cannot delete one user's records: they stay in the topic and the dead-letter topic until
 retention deletes them. So the table records the erasure with the topic's log ends
-(`app.data.table.Erasures`), and every writer leaves the user's records below those ends out:
+(`app.data.metadata.Erasures`), and every writer leaves the user's records below those ends out:
 ingest and watch make them dead letters that hold nothing of the user, redrive leaves them dead, and
 a table made later from the topic takes the erasures over (`inherit_erasures`).
 """
@@ -29,9 +29,10 @@ from pyiceberg.table import Table, Transaction
 from pyiceberg.table.snapshots import Snapshot
 
 from app.data.catalog import dumps
-from app.data.maintenance import SWAP_ATTEMPTS, carried_summary, expire_ids, read_files, swap
+from app.data.maintenance import SWAP_ATTEMPTS, expire_ids, read_files, swap
+from app.data.metadata import ERASED_PREFIX, Erasures, carried_summary, erasure_ends
 from app.data.records import dead_letter_folder, user_digest
-from app.data.table import ERASED_PREFIX, Erasures, ImageTable, erasure_ends
+from app.data.table import ImageTable
 from app.errors import ConfigError
 from app.storage import Store
 
@@ -111,7 +112,7 @@ def erase_dead_letters(dlq: Store, user_id: str) -> int:
 
 def record_erasure(images: ImageTable, user_id: str, ends: dict[int, int] | None) -> None:
     """Record `user_id` as erased in the table's properties (`ERASED_PREFIX` + its `user_digest`:
-    the date and the topic's log `ends`, see `app.data.table.Erasures`), so that ingest, watch and
+    the date and the topic's log `ends`, see `app.data.metadata.Erasures`), so that ingest, watch and
     redrive keep the records Kafka still holds of the user out of the table."""
     key = ERASED_PREFIX + user_digest(user_id)
     record = _erasure_record(datetime.datetime.now(datetime.UTC).date().isoformat(), ends)

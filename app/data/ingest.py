@@ -36,11 +36,12 @@ from app.data.kafka_range import (
     read_ranges,
     streaming_blocks,
 )
+from app.data.metadata import FEATURES_WEIGHTS_KEY, Erasures
 from app.data.plan import Pending, commit_ranges, pending_ranges, report_lost
 from app.data.preprocess import preprocess_batches
 from app.data.proof import WriteStats, prove
 from app.data.sink import SinkTarget, TableSink
-from app.data.table import FEATURES_WEIGHTS_KEY, Erasures, ImageTable, OffsetConflict
+from app.data.table import ImageTable, OffsetConflict
 from app.storage import Store
 
 log = logging.getLogger(__name__)

@@ -76,7 +76,7 @@ class KafkaRangeDatasource(Datasource):
                     self.records_per_block,
                     self.watermarks.get(partition, 0),
                     self.allowed_lateness_ms,
-                    # Only the partition's last chunk may end in markers (see probe_partitions).
+                    # Only the partition's last chunk may end in markers (see `probe.probe_partitions`).
                     self.visible_ends.get(partition, end) if hi == end else hi,
                 )
                 metadata = BlockMetadata(
@@ -145,7 +145,7 @@ def read_partition_range(
 
     Each offset is a record or part of a gap row: offsets the broker skips over (a later offset
     arrives first) are transaction markers, aborted or compacted records; offsets from
-    `visible_end` on may end in an EOF, which proves them markers too (see `probe_partitions`).
+    `visible_end` on may end in an EOF, which proves them markers too (see `app.data.probe.probe_partitions`).
     An EOF before `visible_end` is an error. Lateness is judged against the partition's running
     event-time watermark (the highest event time seen so far, seeded from the previous snapshot),
     as a stream processor would.

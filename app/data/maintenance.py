@@ -32,18 +32,8 @@ from pyiceberg.table.refs import MAIN_BRANCH
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.table.update import AssertRefSnapshotId, RemoveSnapshotRefUpdate, RemoveSnapshotsUpdate
 
-from app.data.catalog import FORMAT, FORMAT_KEY, dumps
-from app.data.table import (
-    COMMITTED_KEY,
-    COMPACTED_KEY,
-    READER_PIN_TTL_S,
-    READER_TAG_PREFIX,
-    TOPIC_KEY,
-    WATERMARKS_KEY,
-    ImageTable,
-    _committed,
-    _nearest,
-)
+from app.data.metadata import COMPACTED_KEY, READER_PIN_TTL_S, READER_TAG_PREFIX, carried_summary
+from app.data.table import ImageTable
 
 log = logging.getLogger(__name__)
 
@@ -79,18 +69,6 @@ class ExpiryReport:
 
     def __str__(self) -> str:
         return f"expiry: {len(self.snapshots)} table snapshots expired, {self.files_deleted} files deleted"
-
-
-def carried_summary(table: Table, base: Snapshot | None) -> dict[str, str]:
-    """The Argus keys a maintenance commit repeats from its base: the committed offsets (an ingest
-    plans from the current snapshot), the event-time watermarks, the topic and the format: expiry
-    may remove the commits that first held them."""
-    summary = {FORMAT_KEY: str(FORMAT), COMMITTED_KEY: dumps(_committed(table, base))}
-    for key in (TOPIC_KEY, WATERMARKS_KEY):
-        value = _nearest(table, base, key)
-        if value is not None:
-            summary[key] = value
-    return summary
 
 
 def swap(

@@ -27,11 +27,12 @@ from app.data import kafka
 from app.data.erasure import erase_late
 from app.data.faults import fault
 from app.data.ingest import commit_details
+from app.data.metadata import Erasures
 from app.data.partitions import Restart
 from app.data.preprocess import PREPROCESS_ACTOR_CPUS, Preprocessor
 from app.data.proof import WriteStats, prove
 from app.data.sink import SinkTarget, write_blocks
-from app.data.table import Erasures, ImageTable, OffsetConflict
+from app.data.table import ImageTable, OffsetConflict
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from app import metrics
 from app.config import start_time_ms
-from app.data import kafka
+from app.data import kafka, probe
 from app.data.table import ImageTable
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,8 @@ def pending_ranges(
     snapshot_id = table.current_snapshot_id()
     previous = table.committed(snapshot_id) if snapshot_id else {}
     watermarks = table.watermarks(snapshot_id) if snapshot_id else {}
-    partitions = kafka.partitions_of(connection, topic)
-    probed = kafka.probe_partitions(connection, topic, partitions)
+    partitions = probe.partitions_of(connection, topic)
+    probed = probe.probe_partitions(connection, topic, partitions)
     if start_from is not None and previous:
         log.info(
             "%s has commits: it resumes from them, --from %s is for a new table", table.identifier, start_from
@@ -65,18 +65,18 @@ def pending_ranges(
 
 
 def new_table_starts(
-    connection: kafka.KafkaConnection, topic: str, probed: dict[int, kafka.PartitionEnds], start_from: str
+    connection: kafka.KafkaConnection, topic: str, probed: dict[int, probe.PartitionEnds], start_from: str
 ) -> dict[int, int]:
     """Each partition's first offset for `--from`: its log start for `earliest`, else its first
     record at or after the time."""
     timestamp_ms = start_time_ms(start_from)
     if timestamp_ms is None:
         return {p: ends.log_start for p, ends in probed.items()}
-    return kafka.offsets_at_time(connection, topic, probed, timestamp_ms)
+    return probe.offsets_at_time(connection, topic, probed, timestamp_ms)
 
 
 def plan(
-    starts: dict[int, int], probed: dict[int, kafka.PartitionEnds], watermarks: dict[int, int]
+    starts: dict[int, int], probed: dict[int, probe.PartitionEnds], watermarks: dict[int, int]
 ) -> Pending:
     """From the committed starts and the probed partitions: read from the later of the committed
     offset and the log start; what retention deleted in between is lost."""

@@ -19,7 +19,7 @@ import ray
 import ray.data
 
 from app.config import IngestConfig, Settings
-from app.data.table import Erasures
+from app.data.metadata import Erasures
 from app.errors import Reason
 from app.transform import BadImage, decode_pixels, normalize_pixels, resize_pixels
 

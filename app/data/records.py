@@ -152,7 +152,7 @@ def header_fields(
 
 def user_digest(user_id: str | None) -> str:
     """A user (a record's key) as 16 hex digits of its SHA-256: how storage paths and the table's
-    erasure records (`app.data.table.ERASED_PREFIX`) name a user without showing the id."""
+    erasure records (`app.data.metadata.ERASED_PREFIX`) name a user without showing the id."""
     return hashlib.sha256((user_id or "").encode()).hexdigest()[:16]
 
 

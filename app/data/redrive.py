@@ -10,15 +10,16 @@ in only once: duplicate dead letters count once, offsets at or beyond the table'
 belong to an ingest that has not committed yet, offsets below where a table made by `ingest --from`
 begins were never its own, and offsets already rows of the snapshot this run planned from are left
 alone; the commit lands only on that snapshot or on commits that cannot hold its offsets
-(`ImageTable.commit_redrive`), else it plans again. Nothing is republished: what stays dead is
+(`commit_redrive`), else it plans again. Nothing is republished: what stays dead is
 counted by reason, and the dead letters of an erased user's records from before the erasure stay
-dead (`app.data.table.Erasures`).
+dead (`app.data.metadata.Erasures`).
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import json
 import logging
 import time
 from collections import Counter, defaultdict
@@ -29,34 +30,36 @@ import pyarrow.compute as pc
 from pyiceberg.exceptions import CommitStateUnknownException
 from pyiceberg.expressions import And, EqualTo, In, Or
 from pyiceberg.manifest import DataFile
+from pyiceberg.table import Table
+from pyiceberg.table.snapshots import Snapshot, ancestors_of
 
 from app import metrics
 from app.config import IngestConfig, Settings
 from app.data import kafka
 from app.data.catalog import dumps
+from app.data.dead_letters import Candidate, DeadLetter, candidate, read_dead_letters, stored_payload
 from app.data.erasure import erase_late
 from app.data.faults import fault
 from app.data.ingest import open_table
-from app.data.preprocess import preprocess_batches
-from app.data.records import dead_letter_folder, header_fields, message_headers, user_digest
-from app.data.sink import table_rows
-from app.data.table import (
+from app.data.metadata import (
+    COMPACTED_KEY,
     FEATURES_WEIGHTS_KEY,
-    TOPIC_KEY,
+    RANGES_KEY,
     Erasures,
-    ImageTable,
-    OffsetConflict,
+    carried_summary,
     origin,
 )
-from app.errors import ConfigError, Reason
-from app.storage import Store, sha256
+from app.data.preprocess import preprocess_batches
+from app.data.records import user_digest
+from app.data.sink import table_rows
+from app.data.table import COMMIT_ATTEMPTS, ImageTable, OffsetConflict, append, check_topic
+from app.errors import Reason
+from app.storage import Store
 
 log = logging.getLogger(__name__)
 
 PLAN_ATTEMPTS = 5
 """Times a redrive plans again after a commit it cannot go past (another redrive, an erasure)."""
-READ_TIMEOUT_S = 120.0
-"""Longest the read of the dead-letter topic may take before the redrive fails."""
 WRITE_BYTES = 128 * 1024 * 1024
 """Rows gathered on the driver before they are written as data files."""
 
@@ -70,60 +73,6 @@ UNFAITHFUL = frozenset({Reason.BAD_HEADER, Reason.HEADER_TOO_LONG, Reason.ERASED
 invalid event time replaced by the Kafka timestamp; an erased user's holds nothing of theirs):
 rebuilt, the record would pass as something it never was, so it stays dead. Nothing a later run
 configures changes these failures."""
-
-
-@dataclass(frozen=True)
-class DeadLetter:
-    """One record of the dead-letter topic, as read."""
-
-    key: bytes | None
-    value: bytes
-    headers: dict[str, bytes]
-    """The last value of each header; {} when they could not be read."""
-    timestamp: int
-    """The dead letter's own Kafka timestamp."""
-
-    @classmethod
-    def of(cls, message) -> DeadLetter:
-        try:  # never message.headers(): see message_headers
-            raw = message_headers(message) or []
-        except Exception:  # a header key that is not UTF-8: no source coordinates, stays dead
-            raw = []
-        headers = {k: v for k, v in raw if isinstance(k, str) and v is not None}
-        return cls(message.key(), message.value() or b"", headers, message.timestamp()[1])
-
-    def text(self, name: str) -> str | None:
-        value = self.headers.get(name)
-        return None if value is None else value.decode("utf-8", "replace")
-
-    @property
-    def user(self) -> str:
-        return self.key.decode("utf-8", "replace") if self.key else ""
-
-    def source(self) -> tuple[str, int, int] | None:
-        """(topic, partition, offset) of the record it stands for; None when not stated."""
-        topic, partition, offset = (
-            self.text(h) for h in ("source_topic", "source_partition", "source_offset")
-        )
-        if topic is None or _natural(partition) is None or _natural(offset) is None:
-            return None
-        return topic, _natural(partition), _natural(offset)
-
-    def reason(self) -> str | None:
-        """The `error_reason` it was dead-lettered with. A dead letter from before reasons existed
-        has only its `error`, which names a header problem (the one kind that must stay dead)."""
-        reason = self.text("error_reason")
-        if reason is not None:
-            return reason
-        error = self.text("error") or ""
-        return Reason.BAD_HEADER if "header" in error or error.startswith("Kafka timestamp") else None
-
-
-def _natural(text: str | None) -> int | None:
-    """The number in a header that must hold one (ASCII digits, at most 19), else None."""
-    if text is None or not (text.isascii() and text.isdigit()) or len(text) > 19:
-        return None
-    return int(text)
 
 
 @dataclass
@@ -170,62 +119,6 @@ class RedriveReport:
         )
 
 
-@dataclass
-class Candidate:
-    """A dead letter that may pass now, and the raw row (`kafka.RAW_SCHEMA`) of its record."""
-
-    letter: DeadLetter
-    row: dict
-    source_timestamp: int | None
-    """The record's own Kafka timestamp (None for dead letters written before they carried it)."""
-
-    @property
-    def coordinates(self) -> tuple[int, int]:
-        return self.row["partition"], self.row["offset"]
-
-
-def read_dead_letters(
-    connection: kafka.KafkaConnection, dlq_topic: str, timeout_s: float = READ_TIMEOUT_S
-) -> list[DeadLetter]:
-    """Every record of `dlq_topic` from each partition's log start to its proven end
-    (`kafka.probe_partitions`: a broker may report less); [] when the topic does not exist."""
-    from confluent_kafka import KafkaError, TopicPartition
-
-    consumer = connection.consumer()
-    try:
-        metadata = consumer.list_topics(dlq_topic, timeout=10).topics.get(dlq_topic)
-        if metadata is None or metadata.error is not None:
-            log.info("redrive: there is no dead-letter topic %s", dlq_topic)
-            return []
-        probed = kafka.probe_partitions(connection, dlq_topic, sorted(metadata.partitions), timeout_s)
-        ends = {p: ends.end for p, ends in probed.items() if ends.end > ends.log_start}
-        consumer.assign([TopicPartition(dlq_topic, p, probed[p].log_start) for p in ends])
-        letters: list[DeadLetter] = []
-        deadline = time.monotonic() + timeout_s
-        while ends:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"reading {dlq_topic} timed out for partitions {sorted(ends)}")
-            message = consumer.poll(1.0)
-            if message is None:
-                continue
-            p = message.partition()
-            if message.error():
-                if message.error().code() != KafkaError._PARTITION_EOF:
-                    raise RuntimeError(f"reading {dlq_topic}[{p}]: {message.error()}")
-                if p in ends and message.offset() >= ends[p]:
-                    del ends[p]
-                continue
-            if p not in ends or message.offset() >= ends[p]:  # written since the probe: the next run's
-                ends.pop(p, None)
-                continue
-            letters.append(DeadLetter.of(message))
-            if message.offset() >= ends[p] - 1:
-                del ends[p]
-        return letters
-    finally:
-        consumer.close()
-
-
 def redrive(settings: Settings, cfg: IngestConfig, connection: kafka.KafkaConnection) -> RedriveReport:
     """`python -m app redrive`: read the dead letters, clean those whose failure may no longer
     apply as ingest would now, and commit the good ones as one table snapshot, exactly once."""
@@ -260,13 +153,7 @@ def _redrive_once(
     state = table.load()
     base = state.current_snapshot()
     planned_from = base.snapshot_id if base else None
-    if planned_from is not None:
-        held = table.summary_value(planned_from, TOPIC_KEY)
-        if held is not None and held != settings.topic:
-            raise ConfigError(
-                f"table {table.identifier} holds topic {held!r}, not {settings.topic!r}: "
-                "--table names another"
-            )
+    check_topic(table.identifier, state, base, settings.topic)
     committed = table.committed(planned_from) if planned_from is not None else {}
     starts = origin(state)
     erasures = Erasures.of(state)
@@ -306,8 +193,8 @@ def _redrive_once(
         if cfg.features:
             details[FEATURES_WEIGHTS_KEY] = cfg.weights or ""
         fault("before_commit")
-        report.snapshot_id = table.commit_redrive(
-            files, settings.topic, planned_from, dict(offsets), users, erasures, details
+        report.snapshot_id = commit_redrive(
+            table, files, settings.topic, planned_from, dict(offsets), users, erasures, details
         )
     except CommitStateUnknownException:
         raise  # the catalog may hold the commit: its files must stay
@@ -357,29 +244,8 @@ def _triage(
         if reason in UNFAITHFUL:
             report.stayed_dead[reason] += 1
             continue
-        candidates.append(_candidate(letter, partition, offset))
+        candidates.append(candidate(letter, partition, offset))
     return candidates
-
-
-def _candidate(letter: DeadLetter, partition: int, offset: int) -> Candidate:
-    """The raw row of the record a dead letter stands for, as the Kafka reader made it; the value
-    is loaded later (`_load_value`), once the record is known to be missing from the table."""
-    source_timestamp = _natural(letter.text("source_timestamp"))
-    names = ("schema", "event_time", "label", "device_id")  # as `record_headers` wrote them
-    original = [(name, letter.headers[name]) for name in names if name in letter.headers]
-    # `event_time` falls back to the Kafka timestamp only when the header is absent, which a dead
-    # letter's never is (`record_headers` always writes it).
-    timestamp = source_timestamp if source_timestamp is not None else letter.timestamp
-    row = header_fields(original, timestamp, None, letter.key)
-    row.update(
-        partition=partition,
-        offset=offset,
-        kafka_timestamp=timestamp,
-        late=False,
-        value=b"",
-        gap_end=None,
-    )
-    return Candidate(letter, row, source_timestamp)
 
 
 def _event_date(row: dict) -> datetime.date | None:
@@ -416,37 +282,18 @@ def _present(table: ImageTable, snapshot_id: int | None, candidates: list[Candid
 
 def _load_value(candidate: Candidate, topic: str, dlq: Store, report: RedriveReport) -> bool:
     """Put the record's value into its row: the dead letter's own, or its stored payload; False
-    (counted as `bad_payload`, logged) when the payload cannot be trusted (`_payload`)."""
+    (counted as `bad_payload`, logged) when the payload cannot be trusted (`stored_payload`)."""
     letter = candidate.letter
     if "payload_uri" not in letter.headers:
         candidate.row["value"] = letter.value
         return True
-    value = _payload(letter, topic, *candidate.coordinates, dlq)
+    value = stored_payload(letter, topic, *candidate.coordinates, dlq)
     if isinstance(value, str):
         log.warning("dead letter of %s[%d]@%d stays dead: %s", topic, *candidate.coordinates, value)
         report.stayed_dead[Reason.BAD_PAYLOAD] += 1
         return False
     candidate.row["value"] = value
     return True
-
-
-def _payload(letter: DeadLetter, topic: str, partition: int, offset: int, dlq: Store) -> bytes | str:
-    """A dead letter's stored value, or why it is not to be used. The headers are untrusted: the
-    payload is read only at the name the sink gives it under `<storage>/dlq/`, and only if it has
-    the size and SHA-256 they name."""
-    relative = f"{topic}/{dead_letter_folder(letter.user)}/{partition}-{offset}.bin"
-    uri, size, digest = (letter.text(h) for h in ("payload_uri", "payload_size", "payload_sha256"))
-    if uri != dlq.uri(relative):
-        return f"its payload_uri {(uri or '')[:200]!r} is not {dlq.uri(relative)!r}"
-    if _natural(size) is None or not digest:
-        return "its payload_size or payload_sha256 is missing"
-    stored = dlq.fs.get_file_info(dlq.path(relative)).size
-    if stored != _natural(size):  # a missing file has no size; a wrong size is not read at all
-        return f"the payload holds {stored} bytes, not {size}"
-    value = dlq.read(relative)
-    if len(value) != stored or sha256(value) != digest:
-        return "the payload's SHA-256 is not its payload_sha256"
-    return value
 
 
 def _clean(
@@ -484,3 +331,69 @@ def _write(table: ImageTable, rows: pa.Table, files: list[DataFile]) -> None:
     step = max(1, int(rows.num_rows * WRITE_BYTES / max(rows.nbytes, 1)))
     for start in range(0, rows.num_rows, step):
         files.extend(table.write_files(rows.slice(start, step)))
+
+
+def commit_redrive(
+    images: ImageTable,
+    files: list[DataFile],
+    topic: str,
+    planned_from: int,
+    offsets: dict[int, set[int]],
+    users: set[str],
+    erasures: Erasures,
+    details: dict[str, str],
+) -> int:
+    """Append data files of records below the committed offsets (dead letters at `offsets`
+    {partition: offsets}, of the users whose `user_digest`s are `users`, triaged under `erasures`),
+    carrying the committed offsets, watermarks and topic forward unchanged; `details` (Argus keys)
+    go into the summary. Returns the new snapshot's id.
+
+    The caller proved `offsets` absent from snapshot `planned_from`. A commit since then that
+    cannot have added them (an ingest of other offsets, a compaction) leaves that proof standing,
+    so the append goes onto it; any other (another redrive, an erasure, another engine's), an
+    erasure of one of `users` since `erasures`, or `planned_from` gone from the history raises
+    OffsetConflict: nothing committed, plan again."""
+    for attempt in range(1, COMMIT_ATTEMPTS + 1):
+        table = images.load()
+        base = table.current_snapshot()
+        check_topic(images.identifier, table, base, topic)
+        moved = _moved_under_redrive(table, base, planned_from, offsets, users, erasures)
+        if moved:
+            raise OffsetConflict(f"table {images.identifier}: {moved}; nothing committed, plan again")
+        snapshot_id = append(table, {**details, **carried_summary(table, base)}, files)
+        if snapshot_id is not None:
+            return snapshot_id
+        log.info("redrive commit to %s lost a race (attempt %d)", images.identifier, attempt)
+    raise OffsetConflict(
+        f"table {images.identifier}: {COMMIT_ATTEMPTS} redrive commits in a row lost to other writers; "
+        "nothing committed"
+    )
+
+
+def _moved_under_redrive(
+    table: Table,
+    base: Snapshot | None,
+    planned_from: int,
+    offsets: dict[int, set[int]],
+    users: set[str],
+    erasures: Erasures,
+) -> str | None:
+    """Why a redrive planned from `planned_from` may not commit onto `base`; None when it may."""
+    erased = Erasures.of(table).since(erasures) & users
+    if erased:
+        return f"{len(erased)} of the redriven records' users were erased since it planned"
+    for snapshot in ancestors_of(base, table.metadata):
+        if snapshot.snapshot_id == planned_from:
+            return None
+        summary = snapshot.summary.additional_properties if snapshot.summary else {}
+        if COMPACTED_KEY in summary:
+            continue
+        if RANGES_KEY not in summary:
+            return (
+                f"snapshot {snapshot.snapshot_id} since it planned is neither an ingest nor a "
+                "compaction (another redrive, an erasure, another engine's commit)"
+            )
+        for p, (start, end) in json.loads(summary[RANGES_KEY]).items():
+            if any(start <= o < end for o in offsets.get(int(p), ())):
+                return f"snapshot {snapshot.snapshot_id} added offsets of partition {p} that it holds"
+    return f"snapshot {planned_from}, which it planned from, is no longer in the table's history"

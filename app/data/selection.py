@@ -27,7 +27,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from app.config import Settings
-from app.data.table import FEATURES_WEIGHTS_KEY, ImageTable
+from app.data.metadata import FEATURES_WEIGHTS_KEY
+from app.data.table import ImageTable
 from app.errors import ConfigError
 
 

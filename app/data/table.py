@@ -12,17 +12,16 @@ Every commit is one Iceberg snapshot whose summary records the offset ranges it 
 only if each partition it writes is still committed exactly up to where its range starts, checked
 on the table it is committed on, which the catalog swaps in only if no other commit came first
 (`AssertRefSnapshotId`); a writer that loses gets `OffsetConflict`, commits nothing, and re-plans.
+The summary keys, properties and tags it writes are `app.data.metadata`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -31,12 +30,10 @@ from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.io.pyarrow import _dataframe_to_data_files
 from pyiceberg.manifest import DataFile
 from pyiceberg.table import Table
-from pyiceberg.table.snapshots import Snapshot, ancestors_of
+from pyiceberg.table.snapshots import Snapshot
 
 from app.config import DEFAULT_TABLE
 from app.data.catalog import (
-    FORMAT,
-    FORMAT_KEY,
     TABLE_PROPERTIES,
     catalog_uri,
     check_format,
@@ -45,43 +42,23 @@ from app.data.catalog import (
     open_catalog,
     warehouse_uri,
 )
-from app.data.records import user_digest
+from app.data.metadata import (
+    ORIGIN_KEY,
+    READER_TAG_PREFIX,
+    TOPIC_KEY,
+    Ranges,
+    commit_summary,
+    committed_at,
+    nearest,
+    watermarks_at,
+)
 from app.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-TOPIC_KEY = "argus.kafka.topic"
-RANGES_KEY = "argus.kafka.ranges"
-COMMITTED_KEY = "argus.kafka.committed"
-LOST_KEY = "argus.kafka.lost"
-DLQ_KEY = "argus.dlq.records"
-WATERMARKS_KEY = "argus.kafka.watermarks"
-"""JSON {partition: largest event time (ms) committed so far}, carried forward like the offsets:
-a record this far behind it (less the allowed lateness) is counted late."""
-FEATURES_WEIGHTS_KEY = "argus.features.weights"
-"""The backbone weights file that computed the `features` column ("" for the seeded random one):
-a head trained on the features must sit on the same backbone when it serves images."""
-DETAILS_PREFIX = "argus."
-ORIGIN_KEY = "argus.kafka.origin"
-"""A table property, JSON {partition: first offset}, of a table `ingest --from` started above offset 0:
-offsets below are outside it (`redrive` leaves them out). Absent: the table starts at 0."""
-READER_TAG_PREFIX = "argus-reader-"
-"""Tags `ImageTable.pin` sets on the snapshot a run reads: expiry keeps their snapshots."""
-READER_PIN_TTL_S = 3 * 86_400
-"""A reader tag this old belongs to a run that died without removing it: expiry drops it."""
-COMPACTED_KEY = "argus.compacted.files"
-"""A compaction's summary: how many files it rewrote (it adds and removes no record)."""
-ERASED_PREFIX = "argus.erased."
-"""A table property per erased user, `argus.erased.<user_digest(user)>` = `{"date": ISO date (UTC),
-"ends": {partition: the topic's proven log end when the user was erased}}` (`Erasures`). Kafka keeps
-the user's records and dead letters until retention deletes them, so ingest, watch and redrive read
-these and leave every record of the user below those ends out of the table."""
-
 COMMIT_ATTEMPTS = 5
 """Catalog swaps one commit tries before giving up: a swap lost to a commit that left this one's
 partitions where it planned them (another partition's writer, a compaction) is tried again."""
-
-Ranges = dict[int, tuple[int, int]]
 
 
 class OffsetConflict(RuntimeError):
@@ -149,7 +126,7 @@ class ImageTable:
             if name == self.identifier:
                 continue
             other = self.catalog.load_table(name)  # read only: not every table here need be Argus's
-            if _nearest(other, other.current_snapshot(), TOPIC_KEY) == topic:
+            if nearest(other, other.current_snapshot(), TOPIC_KEY) == topic:
                 found.append(ImageTable(self.catalog_uri, self.warehouse, name, create=False))
         return found
 
@@ -162,18 +139,18 @@ class ImageTable:
         """{partition: next offset} as of `snapshot_id` (default: now); {} before any commit."""
         table = self.load()
         snapshot = table.current_snapshot() if snapshot_id is None else table.snapshot_by_id(snapshot_id)
-        return _committed(table, snapshot)
+        return committed_at(table, snapshot)
 
     def summary_value(self, snapshot_id: int, key: str) -> str | None:
         """`key` in the summary of `snapshot_id` or of its nearest ancestor that has it."""
         table = self.load()
-        return _nearest(table, table.snapshot_by_id(snapshot_id), key)
+        return nearest(table, table.snapshot_by_id(snapshot_id), key)
 
     def watermarks(self, snapshot_id: int | None = None) -> dict[int, int]:
         """{partition: event-time watermark (ms)} as of `snapshot_id` (default: now)."""
         table = self.load()
         snapshot = table.current_snapshot() if snapshot_id is None else table.snapshot_by_id(snapshot_id)
-        return _watermarks(table, snapshot)
+        return watermarks_at(table, snapshot)
 
     def scan(self, snapshot_id: int, columns: Iterable[str] | None = None) -> pa.Table:
         """The rows (or only `columns`) of the table as of `snapshot_id`, whatever came after."""
@@ -243,43 +220,17 @@ class ImageTable:
         run: an Iceberg tag `argus-reader-<ms>-<id>` on it, which expiry keeps until the reader
         removes it here or READER_PIN_TTL_S has passed (a reader that died). Yields the id."""
         name = f"{READER_TAG_PREFIX}{int(time.time() * 1000)}-{uuid.uuid4().hex[:8]}"
-        pinned = self._set_tag(name, snapshot_id)
+        pinned = _set_tag(self, name, snapshot_id)
         try:
             yield pinned
         finally:
             if pinned is not None:
                 try:
-                    self._set_tag(name, None, remove=True)
+                    _set_tag(self, name, None, remove=True)
                 except Exception as exc:  # the run's outcome stands; expiry drops the tag later
                     log.warning(
                         "table %s: reader tag %s stays until it ages out: %s", self.identifier, name, exc
                     )
-
-    def _set_tag(self, name: str, snapshot_id: int | None, remove: bool = False) -> int | None:
-        """Create (or remove) tag `name`, again while other writers' commits win the catalog's
-        swap; the tag lands only on a table that still has the snapshot (ConfigError if not)."""
-        for _ in range(COMMIT_ATTEMPTS):
-            table = self.load()
-            target = None
-            if remove and name not in table.metadata.refs:
-                return None  # dropped by expiry (aged out) or by an erasure
-            if not remove:
-                current = table.current_snapshot()
-                target = snapshot_id if snapshot_id is not None else current and current.snapshot_id
-                if target is None:
-                    return None
-                if table.snapshot_by_id(target) is None:
-                    raise ConfigError(f"table {self.identifier} has no snapshot {target} (expired?)")
-            try:
-                with table.manage_snapshots() as manage:
-                    if remove:
-                        manage.remove_tag(name)
-                    else:
-                        manage.create_tag(target, name)
-                return target
-            except CommitFailedException:
-                continue
-        raise OffsetConflict(f"table {self.identifier}: tag {name} lost {COMMIT_ATTEMPTS} swaps in a row")
 
     def commit_files(
         self,
@@ -303,26 +254,15 @@ class ImageTable:
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
             table = self.load()
             base = table.current_snapshot()
-            committed = _committed(table, base)
-            self._check_base(table, base, committed, ranges, topic, first)
-            summary = {
-                **{k: v for k, v in (details or {}).items() if k.startswith(DETAILS_PREFIX)},
-                FORMAT_KEY: str(FORMAT),
-                TOPIC_KEY: topic,
-                RANGES_KEY: dumps({p: list(r) for p, r in ranges.items()}),
-                COMMITTED_KEY: dumps({**committed, **{p: end for p, (_, end) in ranges.items()}}),
-                DLQ_KEY: str(dlq_records),
-            }
-            carried = _watermarks(table, base)
-            for p, mark in (watermarks or {}).items():
-                carried[p] = max(carried.get(p, mark), mark)
-            if carried:
-                summary[WATERMARKS_KEY] = dumps(carried)
-            if lost:
-                summary[LOST_KEY] = dumps({p: [ranges[p][0], ranges[p][0] + n] for p, n in lost.items() if n})
+            committed = committed_at(table, base)
+            check_topic(self.identifier, table, base, topic)
+            _check_base(self.identifier, committed, ranges, first)
+            summary = commit_summary(
+                table, base, committed, ranges, topic, dlq_records, lost, watermarks, details
+            )
             # In the same swap: the table's start outlives its first snapshot's expiry.
             origin_property = {ORIGIN_KEY: dumps({p: s for p, (s, _) in ranges.items()})} if first else {}
-            snapshot_id = _append(table, summary, files, origin_property)
+            snapshot_id = append(table, summary, files, origin_property)
             if snapshot_id is not None:
                 return snapshot_id
             log.info("commit to %s lost a race (attempt %d)", self.identifier, attempt)
@@ -331,88 +271,64 @@ class ImageTable:
             "nothing committed"
         )
 
-    def _check_base(
-        self,
-        table: Table,
-        base: Snapshot | None,
-        committed: dict[int, int],
-        ranges: Ranges,
-        topic: str,
-        first: bool,
-    ) -> None:
-        previous = _nearest(table, base, TOPIC_KEY)
-        if previous is not None and previous != topic:
-            raise ConfigError(
-                f"table {self.identifier} holds topic {previous!r}, not {topic!r}: --table names another"
-            )
-        if first and committed:
-            raise OffsetConflict(
-                f"table {self.identifier} got its first commit from another writer since this one "
-                "planned; nothing committed, plan again"
-            )
-        if first:
-            return
-        moved = {
-            p: (start, committed.get(p, 0))
-            for p, (start, _) in ranges.items()
-            if committed.get(p, 0) != start
-        }
-        if moved:
-            where = ", ".join(f"p{p}: planned from {s}, table at {c}" for p, (s, c) in sorted(moved.items()))
-            raise OffsetConflict(
-                f"table {self.identifier} moved since this writer planned ({where}); "
-                "nothing committed, plan again"
-            )
 
-    def commit_redrive(
-        self,
-        files: list[DataFile],
-        topic: str,
-        planned_from: int,
-        offsets: dict[int, set[int]],
-        users: set[str],
-        erasures: Erasures,
-        details: dict[str, str],
-    ) -> int:
-        """Append data files of records below the committed offsets (`app.data.redrive`'s dead
-        letters, at `offsets` {partition: offsets}, of the users whose `user_digest`s are `users`,
-        triaged under `erasures`),
-        carrying the committed offsets, watermarks and topic forward unchanged; `details` (keys
-        `argus.*`) go into the summary. Returns the new snapshot's id.
+def _set_tag(images: ImageTable, name: str, snapshot_id: int | None, remove: bool = False) -> int | None:
+    """Create (or remove) tag `name`, again while other writers' commits win the catalog's
+    swap; the tag lands only on a table that still has the snapshot (ConfigError if not)."""
+    for _ in range(COMMIT_ATTEMPTS):
+        table = images.load()
+        target = None
+        if remove and name not in table.metadata.refs:
+            return None  # dropped by expiry (aged out) or by an erasure
+        if not remove:
+            current = table.current_snapshot()
+            target = snapshot_id if snapshot_id is not None else current and current.snapshot_id
+            if target is None:
+                return None
+            if table.snapshot_by_id(target) is None:
+                raise ConfigError(f"table {images.identifier} has no snapshot {target} (expired?)")
+        try:
+            with table.manage_snapshots() as manage:
+                if remove:
+                    manage.remove_tag(name)
+                else:
+                    manage.create_tag(target, name)
+            return target
+        except CommitFailedException:
+            continue
+    raise OffsetConflict(f"table {images.identifier}: tag {name} lost {COMMIT_ATTEMPTS} swaps in a row")
 
-        The caller proved `offsets` absent from snapshot `planned_from`. A commit since then that
-        cannot have added them (an ingest of other offsets, a compaction) leaves that proof
-        standing, so the append goes onto it; any other (another redrive, an erasure, another
-        engine's), an erasure of one of `users` since `erasures`, or `planned_from` gone from the history
-        raises OffsetConflict: nothing committed, plan again."""
-        from app.data.maintenance import carried_summary  # maintenance builds on this module
 
-        for attempt in range(1, COMMIT_ATTEMPTS + 1):
-            table = self.load()
-            base = table.current_snapshot()
-            previous = _nearest(table, base, TOPIC_KEY)
-            if previous is not None and previous != topic:
-                raise ConfigError(
-                    f"table {self.identifier} holds topic {previous!r}, not {topic!r}: --table names another"
-                )
-            moved = _moved_under_redrive(table, base, planned_from, offsets, users, erasures)
-            if moved:
-                raise OffsetConflict(f"table {self.identifier}: {moved}; nothing committed, plan again")
-            summary = {
-                **{k: v for k, v in details.items() if k.startswith(DETAILS_PREFIX)},
-                **carried_summary(table, base),
-            }
-            snapshot_id = _append(table, summary, files)
-            if snapshot_id is not None:
-                return snapshot_id
-            log.info("redrive commit to %s lost a race (attempt %d)", self.identifier, attempt)
-        raise OffsetConflict(
-            f"table {self.identifier}: {COMMIT_ATTEMPTS} redrive commits in a row lost to other writers; "
-            "nothing committed"
+def check_topic(identifier: str, table: Table, base: Snapshot | None, topic: str) -> None:
+    """ConfigError when the table, as of `base`, holds another topic than `topic`."""
+    previous = nearest(table, base, TOPIC_KEY)
+    if previous is not None and previous != topic:
+        raise ConfigError(
+            f"table {identifier} holds topic {previous!r}, not {topic!r}: --table names another"
         )
 
 
-def _append(
+def _check_base(identifier: str, committed: dict[int, int], ranges: Ranges, first: bool) -> None:
+    """OffsetConflict unless every partition of `ranges` is committed exactly up to its start
+    (`first`: unless the table still has no commit at all)."""
+    if first:
+        if committed:
+            raise OffsetConflict(
+                f"table {identifier} got its first commit from another writer since this one "
+                "planned; nothing committed, plan again"
+            )
+        return
+    moved = {
+        p: (start, committed.get(p, 0)) for p, (start, _) in ranges.items() if committed.get(p, 0) != start
+    }
+    if moved:
+        where = ", ".join(f"p{p}: planned from {s}, table at {c}" for p, (s, c) in sorted(moved.items()))
+        raise OffsetConflict(
+            f"table {identifier} moved since this writer planned ({where}); nothing committed, plan again"
+        )
+
+
+def append(
     table: Table, summary: dict[str, str], files: list[DataFile], properties: dict[str, str] | None = None
 ) -> int | None:
     """One catalog swap: `files` appended as a snapshot with `summary` (and `properties` set with
@@ -421,85 +337,15 @@ def _append(
     txn = table.transaction()
     if properties:
         txn.set_properties(properties)
-    with txn.update_snapshot(snapshot_properties=summary).fast_append() as append:
+    with txn.update_snapshot(snapshot_properties=summary).fast_append() as adding:
         for data_file in files:
-            append.append_data_file(data_file)
+            adding.append_data_file(data_file)
     try:
         txn.commit_transaction()
     except CommitFailedException as exc:
         log.debug("lost swap: %s", exc)
         return None
-    return append.snapshot_id
-
-
-@dataclass(frozen=True)
-class Erasures:
-    """The users `argus erase` erased from a table (ERASED_PREFIX), by `user_digest`: each with the
-    topic's log end per partition at the erasure, or None (every record of theirs: erased without a
-    broker to ask, or by an Argus before the ends were recorded; its value is a bare date).
-
-    A record of an erased user below its partition's end is one the erasure was about: it never
-    enters the table again, from a pending ingest, a replay or a redrive. Records past the ends
-    came after the erasure, and are the user's new data."""
-
-    ends: dict[str, dict[int, int] | None] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, table: Table) -> Erasures:
-        ends: dict[str, dict[int, int] | None] = {}
-        for key, value in table.properties.items():
-            if key.startswith(ERASED_PREFIX):
-                ends[key.removeprefix(ERASED_PREFIX)] = erasure_ends(value)
-        return cls(ends)
-
-    def covers(self, user: str | None, partition: int, offset: int) -> bool:
-        digest = user_digest(user)
-        if digest not in self.ends:
-            return False
-        ends = self.ends[digest]
-        return ends is None or offset < ends.get(partition, 0)
-
-    def since(self, earlier: Erasures) -> set[str]:
-        """The digests erased, or erased again, after `earlier` was read."""
-        return {digest for digest, ends in self.ends.items() if earlier.ends.get(digest, ()) != ends}
-
-
-def erasure_ends(value: str) -> dict[int, int] | None:
-    """The log ends an erasure record (ERASED_PREFIX) names; None: every record of the user."""
-    try:
-        ends = json.loads(value).get("ends")
-        return {int(p): int(end) for p, end in ends.items()} if ends is not None else None
-    except (ValueError, AttributeError, TypeError):  # a bare date: every record of the user
-        return None
-
-
-def _moved_under_redrive(
-    table: Table,
-    base: Snapshot | None,
-    planned_from: int,
-    offsets: dict[int, set[int]],
-    users: set[str],
-    erasures: Erasures,
-) -> str | None:
-    """Why a redrive planned from `planned_from` may not commit onto `base`; None when it may."""
-    erased = Erasures.of(table).since(erasures) & users
-    if erased:
-        return f"{len(erased)} of the redriven records' users were erased since it planned"
-    for snapshot in ancestors_of(base, table.metadata):
-        if snapshot.snapshot_id == planned_from:
-            return None
-        summary = snapshot.summary.additional_properties if snapshot.summary else {}
-        if COMPACTED_KEY in summary:
-            continue
-        if RANGES_KEY not in summary:
-            return (
-                f"snapshot {snapshot.snapshot_id} since it planned is neither an ingest nor a "
-                "compaction (another redrive, an erasure, another engine's commit)"
-            )
-        for p, (start, end) in json.loads(summary[RANGES_KEY]).items():
-            if any(start <= o < end for o in offsets.get(int(p), ())):
-                return f"snapshot {snapshot.snapshot_id} added offsets of partition {p} that it holds"
-    return f"snapshot {planned_from}, which it planned from, is no longer in the table's history"
+    return adding.snapshot_id
 
 
 def conform(rows: pa.Table, schema: pa.Schema) -> pa.Table:
@@ -548,38 +394,3 @@ def _check_counts(records: int, ranges: Ranges, dlq_records: int, lost: dict[int
         raise ValueError(
             f"{records} rows and {dlq_records} dead letters exceed the {room} offsets of {ranges}"
         )
-
-
-def _nearest(table: Table, snapshot: Snapshot | None, key: str) -> str | None:
-    """`key` in the summary of `snapshot` or its nearest ancestor that has it: a commit by another
-    engine (which knows nothing of Kafka) must not reset the offsets."""
-    for ancestor in ancestors_of(snapshot, table.metadata):
-        if ancestor.summary is not None and key in ancestor.summary.additional_properties:
-            return ancestor.summary.additional_properties[key]
-    return None
-
-
-def origin(table: Table) -> dict[int, int]:
-    """Where the table begins each partition ({} where it begins at 0): see ORIGIN_KEY."""
-    raw = table.properties.get(ORIGIN_KEY)
-    return {int(p): int(start) for p, start in json.loads(raw).items()} if raw else {}
-
-
-def _committed(table: Table, snapshot: Snapshot | None) -> dict[int, int]:
-    raw = _nearest(table, snapshot, COMMITTED_KEY)
-    return {int(p): int(end) for p, end in json.loads(raw).items()} if raw else {}
-
-
-def _watermarks(table: Table, snapshot: Snapshot | None) -> dict[int, int]:
-    raw = _nearest(table, snapshot, WATERMARKS_KEY)
-    return {int(p): int(mark) for p, mark in json.loads(raw).items()} if raw else {}
-
-
-def pixels(rows: pa.Table) -> np.ndarray:
-    """The `pixels` column as uint8 images [n, height, width, 3] (all rows of one size)."""
-    sizes = set(zip(rows.column("height").to_pylist(), rows.column("width").to_pylist()))
-    if len(sizes) > 1:
-        raise ValueError(f"rows of several image sizes {sorted(sizes)}: select one first")
-    height, width = sizes.pop() if sizes else (0, 0)
-    flat = np.frombuffer(b"".join(rows.column("pixels").to_pylist()), dtype=np.uint8)
-    return flat.reshape(rows.num_rows, height, width, 3)

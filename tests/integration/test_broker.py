@@ -13,7 +13,8 @@ import uuid
 from pathlib import Path
 
 from app.data.broker import EmbeddedBroker, recorded_broker
-from app.data.kafka import KafkaConnection, partitions_of, probe_end_offsets
+from app.data.kafka import KafkaConnection
+from app.data.probe import partitions_of, probe_end_offsets
 from app.net import accepts, free_port
 
 from conftest import ROOT, child_env, run_cli

@@ -21,7 +21,7 @@ from PIL import Image
 from app.config import IngestConfig, ProduceConfig
 from app.data import synth
 from app.data.ingest import ingest
-from app.data.kafka import partitions_of
+from app.data.probe import partitions_of
 from app.data.produce import produce
 from app.data.records import SCHEMA_VERSION, dead_letter_folder, record_headers
 from app.data.selection import chw_images

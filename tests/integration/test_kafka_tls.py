@@ -18,7 +18,8 @@ import pytest
 from app.config import IngestConfig, ProduceConfig, Settings
 from app.data.broker import EmbeddedBroker
 from app.data.ingest import ingest
-from app.data.kafka import MAX_MESSAGE_BYTES, partitions_of, probe_end_offsets
+from app.data.kafka import MAX_MESSAGE_BYTES
+from app.data.probe import partitions_of, probe_end_offsets
 from app.data.produce import produce
 from app.data.table import ImageTable
 from app.data.watch import measure_lag

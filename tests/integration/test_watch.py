@@ -29,9 +29,9 @@ from app.data import synth
 from app.data.backlog import existing_table
 from app.data.ingest import ingest
 from app.data.kafka import ensure_topics
+from app.data.metadata import RANGES_KEY
 from app.data.parts import WRITER_KEY
 from app.data.records import record_headers
-from app.data.table import RANGES_KEY
 from app.data.watch import WatchConfig, measure_lag, watch
 
 from conftest import ROOT, MetricsWatcher, child_env, scrape, settings_args

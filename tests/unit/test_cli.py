@@ -85,7 +85,7 @@ def test_ray_logs_go_to_files_unless_verbose(monkeypatch):
 # A foreground command whose cleanup never returns (where `serve` once hung in CI after SIGTERM).
 HANGING_STOP = """
 import sys, threading, time
-from app.__main__ import _stop_event
+from app.commands import _stop_event
 stop = _stop_event(float(sys.argv[1]) or None)
 print("ready", flush=True)
 stop.wait()

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from app.data.kafka import PartitionEnds
 from app.data.plan import plan, report_lost
+from app.data.probe import PartitionEnds
 
 
 def test_reads_from_the_ledger_end_to_the_proven_end_and_drops_partitions_with_nothing_new():

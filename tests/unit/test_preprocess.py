@@ -95,9 +95,9 @@ def test_decoded_pixels_are_resized_whenever_they_reach_the_budget(monkeypatch, 
 
 
 def test_an_erased_users_records_before_the_erasure_are_dead_letters_that_keep_nothing_of_them():
+    from app.data.metadata import Erasures
     from app.data.records import user_digest
     from app.data.sink import SinkTarget, _dead_letter
-    from app.data.table import Erasures
 
     batch = _batch([_png(40, 40)] * 5)
     batch["key"] = np.array(["alice", "alice", "bob", "alice", "carol"], dtype=object)

@@ -18,12 +18,13 @@ from app import registry
 from app.config import IngestConfig, Settings
 from app.data import watch as watch_module
 from app.data.lag import AlertState
+from app.data.metadata import Erasures
 from app.data.partitions import Restart
 from app.data.parts import WRITER_KEY, Batch, Part, PartPipeline
 from app.data.proof import WriteStats
 from app.data.selection import select
 from app.data.sink import SinkTarget
-from app.data.table import Erasures, ImageTable
+from app.data.table import ImageTable
 from app.data.watch import STUCK_AFTER, Upkeep, WatchConfig
 from app.storage import Store
 

@@ -17,10 +17,20 @@ import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
 from app.data.catalog import catalog_uri, warehouse_uri
-from app.data.table import ImageTable, OffsetConflict, conform, origin, pixels
+from app.data.metadata import origin
+from app.data.table import ImageTable, OffsetConflict, conform
 from app.errors import ConfigError
 
-from tables import TOPIC, batch, check_one_winner, coordinates, pyiceberg_alone, race, race_in_processes
+from tables import (
+    TOPIC,
+    batch,
+    check_one_winner,
+    coordinates,
+    pixels,
+    pyiceberg_alone,
+    race,
+    race_in_processes,
+)
 
 
 def data_files_on_disk(storage: Path) -> set[str]:

@@ -265,10 +265,12 @@ def test_an_erasure_is_recorded_so_that_redrive_leaves_the_users_earlier_dead_le
 
     import pytest
 
+    from app.data.dead_letters import DeadLetter
     from app.data.erasure import erase_user
+    from app.data.metadata import Erasures
     from app.data.records import record_headers, user_digest
-    from app.data.redrive import DeadLetter, RedriveReport, _triage
-    from app.data.table import Erasures, OffsetConflict
+    from app.data.redrive import RedriveReport, _triage, commit_redrive
+    from app.data.table import OffsetConflict
 
     table = ImageTable.at(str(tmp_path))
     table.commit(with_users(batch(0, range(4)), ["alice", "bob", "alice", "bob"]), {0: (0, 7)}, 3, TOPIC)
@@ -309,12 +311,12 @@ def test_an_erasure_is_recorded_so_that_redrive_leaves_the_users_earlier_dead_le
     erase_user(table, "dave")  # no rows: only the property changes, no snapshot
     assert table.current_snapshot_id() == planned
     with pytest.raises(OffsetConflict, match="erased"):
-        table.commit_redrive(files, TOPIC, planned, {0: {5}}, {user_digest("dave")}, erasures, {})
+        commit_redrive(table, files, TOPIC, planned, {0: {5}}, {user_digest("dave")}, erasures, {})
     assert table.current_snapshot_id() == planned
     # Planned after it, carol's later record commits: her erasure is not news to this redrive.
     files = table.write_files(with_users(batch(0, [6]), ["carol"]))
     erasures = Erasures.of(table.load())
-    committed = table.commit_redrive(files, TOPIC, planned, {0: {6}}, {user_digest("carol")}, erasures, {})
+    committed = commit_redrive(table, files, TOPIC, planned, {0: {6}}, {user_digest("carol")}, erasures, {})
     assert sorted(r["user_id"] for r in table.scan(committed).to_pylist()) == ["bob", "bob", "carol"]
 
 
@@ -322,7 +324,7 @@ def test_a_commit_that_lands_after_its_users_erasure_has_their_rows_erased_again
     """Erase looks for rows before a commit under way lands; that writer, having read the erasures
     before its plan, finds the new one after its commit and erases the user's rows again."""
     from app.data.erasure import erase_late, erase_user
-    from app.data.table import Erasures
+    from app.data.metadata import Erasures
 
     table = ImageTable.at(str(tmp_path))
     planned = Erasures.of(table.load())
