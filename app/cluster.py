@@ -76,7 +76,7 @@ def ray_session(settings, *, num_cpus: int | None = None, dashboard: bool = Fals
     if ray.is_initialized():
         yield None
         return
-    runtime_env = {"env_vars": {"PYTHONPATH": _project_root()}}
+    runtime_env = {"env_vars": {"PYTHONPATH": project_root()}}
     if joins_cluster(settings):
         # Under `ray job submit` RAY_ADDRESS is set and the working dir is already shipped.
         context = ray.init(address=settings.ray_address or "auto", log_to_driver=not _to_files)
@@ -178,5 +178,6 @@ def _log_folder(settings) -> Path:
     return folder
 
 
-def _project_root() -> str:
+def project_root() -> str:
+    """The folder holding the `app` package: where `python -m app` runs, and a job's working dir."""
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,8 +16,8 @@ per-channel statistics of the transformed image, as immutable JSON-lines objects
   against the served ones, by a kernel MMD two-sample test; p below `--output-p-value` is drift.
   It sees shifts that move the model's answers even when no image statistic moves much.
 
-`--retrain` submits `ingest → train --promote-if-better` as a Ray job, so the alias moves only when
-the new version beats the champion on the test slice (`app.selection`).
+`--retrain` submits `ingest → train --promote-if-better` as a Ray job (`app.ops.retrain`), so the
+alias moves only when the new version beats the champion on the test slice (`app.selection`).
 The statistics themselves are `app.ops.two_sample`'s.
 """
 
@@ -26,15 +26,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shlex
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from app import metrics, registry
-from app.config import DEFAULT_TABLE, Settings
+from app.config import Settings
 from app.data.selection import TableRead, UnsafeDataFile, chw_images, select
 from app.data.table import ImageTable
 from app.errors import ConfigError
@@ -356,58 +354,7 @@ def drift(settings: Settings, cfg: DriftConfig) -> DriftReport:
     thresholds = {name: cfg.threshold for name in STATISTICS} | {"predicted_label": cfg.label_threshold}
     report = DriftReport(version, len(traffic), scores, thresholds, output, cfg.output_p_value)
     if report.drifted and cfg.retrain:
+        from app.ops.retrain import submit_retraining  # Ray's job client, only when asked
+
         report.job_id = submit_retraining(settings, loaded.card)
     return report
-
-
-def retraining_entrypoint(settings: Settings, card: registry.ModelCard) -> str:
-    storage = str(settings.local_storage_path) if settings.is_local_storage else settings.storage
-    common = [
-        "--topic",
-        settings.topic,
-        "--storage",
-        storage,
-        "--image-size",
-        str(card.image_size),
-        "--model",
-        card.arch,
-        "--mlflow-uri",
-        settings.tracking_uri,
-    ]
-    if settings.bootstrap_servers:
-        common += ["--bootstrap-servers", settings.bootstrap_servers]
-    if settings.kafka_config:  # the job runs in a copy of the working dir: an absolute path
-        common += ["--kafka-config", str(Path(settings.kafka_config).resolve())]
-    if settings.replication_factor != 1:
-        common += ["--replication-factor", str(settings.replication_factor)]
-    table = []  # the same table: ingest commits to it, train reads it
-    if settings.catalog:
-        table += ["--catalog", settings.catalog]
-    if settings.table != DEFAULT_TABLE:
-        table += ["--table", settings.table]
-    ingest = shlex.join(["python", "-m", "app", "ingest", *common, *table])
-    train = shlex.join(["python", "-m", "app", "train", *common, *table, "--promote-if-better"])
-    return f"{ingest} && {train}"
-
-
-def submit_retraining(settings: Settings, card: registry.ModelCard) -> str:
-    """Submit ingest → train --promote-if-better to the cluster's job server."""
-    from ray.job_submission import JobSubmissionClient
-
-    address = settings.ray_address or ""
-    if not address.startswith("http"):
-        raise ConfigError(
-            "--retrain submits a Ray job: pass the dashboard address, e.g. "
-            "--ray-address http://127.0.0.1:8265"
-        )
-    entrypoint = retraining_entrypoint(settings, card)
-    job_id = JobSubmissionClient(address).submit_job(
-        entrypoint=entrypoint, runtime_env={"working_dir": str(_project_root())}
-    )
-    log.info("submitted retraining job %s: %s", job_id, entrypoint)
-    return job_id
-
-
-def _project_root() -> Path:
-    """The folder holding the `app` package: the job's working dir, where `python -m app` runs."""
-    return Path(__file__).resolve().parents[2]

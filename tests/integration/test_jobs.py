@@ -134,7 +134,7 @@ def test_every_stage_runs_as_a_job(head_node, broker, mlflow_server, tmp_path, m
 
     # The retraining job drift submits: ingest (nothing new) && train --promote-if-better, judged
     # against that champion on the test slice.
-    from app.ops.drift import submit_retraining
+    from app.ops.retrain import submit_retraining
 
     job = submit_retraining(dataclasses.replace(settings, ray_address=head_node), first.card)
     logs = wait_for_job(head_node, job)

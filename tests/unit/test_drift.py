@@ -153,6 +153,8 @@ def test_an_output_p_value_outside_0_1_is_a_configuration_error(p_value):
 def test_the_retraining_job_ships_the_folder_python_m_app_runs_from():
     """The job's working dir is what `ray job submit` uploads and the job's cwd: it must hold the
     `app` package, or `python -m app` finds nothing on a cluster whose nodes lack this checkout."""
-    from app.ops.drift import _project_root
+    from pathlib import Path
 
-    assert (_project_root() / "app" / "__main__.py").is_file()
+    from app.cluster import project_root
+
+    assert (Path(project_root()) / "app" / "__main__.py").is_file()

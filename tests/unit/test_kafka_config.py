@@ -215,7 +215,7 @@ def test_argus_owned_properties_cover_what_consumers_and_producers_set():
 
 
 def test_the_retraining_job_keeps_the_kafka_config(tmp_path, tls):
-    from app.ops.drift import retraining_entrypoint
+    from app.ops.retrain import retraining_entrypoint
     from app.registry import ModelCard
 
     path = write(tmp_path, f"security.protocol=SSL\nssl.ca.location={tls['ca']}\n")
