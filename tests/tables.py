@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+from pyiceberg.catalog.rest import RestCatalog
 from pyiceberg.catalog.sql import SqlCatalog
 
 from app.data.catalog import catalog_uri, warehouse_uri
@@ -47,6 +48,8 @@ def coordinates(rows: pa.Table) -> list[tuple[int, int]]:
 def pyiceberg_alone(storage: Path, catalog: str | None = None):
     """The table as any PyIceberg user opens it: no Argus code."""
     uri = catalog or f"sqlite:///{storage / 'catalog.db'}"
+    if uri.startswith("http"):
+        return RestCatalog("argus", uri=uri).load_table("argus.behavior_images")
     return SqlCatalog("argus", uri=uri, warehouse=f"file://{storage / 'warehouse'}").load_table(
         "argus.behavior_images"
     )
