@@ -136,7 +136,7 @@ def read_dead_letters(
 
 def candidate(letter: DeadLetter, partition: int, offset: int) -> Candidate:
     """The raw row of the record a dead letter stands for, as the Kafka reader made it; the value
-    is loaded later (`stored_payload`), once the record is known to be missing from the table."""
+    is loaded later, once the record is known to be missing from the table."""
     source_timestamp = natural(letter.text("source_timestamp"))
     names = ("schema", "event_time", "label", "device_id")  # as `record_headers` wrote them
     original = [(name, letter.headers[name]) for name in names if name in letter.headers]

@@ -47,6 +47,7 @@ from app.data.metadata import (
     RANGES_KEY,
     Erasures,
     carried_summary,
+    committed_at,
     origin,
 )
 from app.data.preprocess import preprocess_batches
@@ -154,7 +155,7 @@ def _redrive_once(
     base = state.current_snapshot()
     planned_from = base.snapshot_id if base else None
     check_topic(table.identifier, state, base, settings.topic)
-    committed = table.committed(planned_from) if planned_from is not None else {}
+    committed = committed_at(state, base)
     starts = origin(state)
     erasures = Erasures.of(state)
     candidates = _triage(letters, settings.topic, committed, starts, erasures, report)
