@@ -144,19 +144,19 @@ class RestCatalogServer:
 
         port = free_port()
         folder.mkdir(parents=True, exist_ok=True)
-        log = open(folder / "rest_catalog.log", "wb")
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                str(port),
-                f"sqlite:///{folder / 'rest.db'}",
-                f"file://{folder / 'warehouse'}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with open(folder / "rest_catalog.log", "wb") as log:  # the child keeps its own handle
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    str(port),
+                    f"sqlite:///{folder / 'rest.db'}",
+                    f"file://{folder / 'warehouse'}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + 60
         while not accepts("127.0.0.1", port):
             if process.poll() is not None or time.monotonic() > deadline:

@@ -11,7 +11,7 @@ from rest_catalog import RestCatalogServer
 
 from app.data.erasure import erase_user
 from app.data.maintenance import compact, expire
-from app.data.table import ImageTable
+from app.data.table import ImageTable, OffsetConflict, append
 
 from tables import TOPIC, batch, check_one_winner, coordinates, pyiceberg_alone, race_in_processes
 
@@ -58,14 +58,10 @@ def test_a_commit_whose_base_moved_is_refused_by_the_server_and_leaves_nothing(r
     """Two handles on one table: the second plans from the base the first then moves. A swap onto
     that base fails the server's requirement check (409); a commit re-checks the offsets and
     refuses. No snapshot or row of the second lands."""
-    from app.data.table import OffsetConflict
-
     first, second = ImageTable.at(str(tmp_path), rest), ImageTable.at(str(tmp_path), rest)
     first.commit(batch(0, range(0, 2)), {0: (0, 2)}, 0, TOPIC)
     stale = second.load()  # the base the second writer planned from
     first.commit(batch(0, range(2, 4), "x"), {0: (2, 4)}, 0, TOPIC)
-
-    from app.data.table import append
 
     files = second.write_files(batch(0, range(2, 4), "y"))
     assert append(stale, {"argus.test": "1"}, files) is None  # the server's 409: the swap is lost
